@@ -1,0 +1,1 @@
+"""minillm: a small but complete LLM inference engine."""
