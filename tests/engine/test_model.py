@@ -9,6 +9,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from minillm.attention import AttentionMetadata
 from minillm.config import ModelConfig
 from minillm.model import LlamaForCausalLM
 
@@ -40,3 +41,166 @@ def test_forward_causal_matches_transformers(hf_checkpoint, arch):
     assert actual.dtype == torch.float32
     assert actual.shape == (3, 40, hf.config.vocab_size)
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+
+
+class PagedBatcher:
+    """A minimal model runner: hands out blocks in scrambled order and builds flat batches.
+
+    The KV cache starts as NaN, so reading any slot that was never written poisons the
+    logits and fails the comparison.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 64):
+        config = model.config
+        dtype = model.lm_head.weight.dtype
+        self.model = model
+        self.block_size = block_size
+        shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [
+            torch.full(shape, float("nan"), dtype=dtype) for _ in range(config.num_hidden_layers)
+        ]
+        self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
+        self.free_blocks = self.free_blocks.tolist()
+        self.block_tables: dict[str, list[int]] = {}
+        self.num_computed: dict[str, int] = {}
+
+    def step(self, chunks: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        """Run the new tokens of several sequences as one batch -> logits [q_len, vocab] each."""
+        input_ids, positions, slots, query_start_loc, seq_lens = [], [], [], [0], []
+        for seq_id, tokens in chunks.items():
+            start = self.num_computed.setdefault(seq_id, 0)
+            table = self.block_tables.setdefault(seq_id, [])
+            while len(table) * self.block_size < start + len(tokens):
+                table.append(self.free_blocks.pop())
+            for pos in range(start, start + len(tokens)):
+                slots.append(
+                    table[pos // self.block_size] * self.block_size + pos % self.block_size
+                )
+            input_ids += tokens
+            positions += range(start, start + len(tokens))
+            query_start_loc.append(query_start_loc[-1] + len(tokens))
+            seq_lens.append(start + len(tokens))
+            self.num_computed[seq_id] = start + len(tokens)
+        max_num_blocks = max(len(self.block_tables[s]) for s in chunks)
+        block_tables = torch.zeros(len(chunks), max_num_blocks, dtype=torch.int32)
+        for i, seq_id in enumerate(chunks):
+            table = self.block_tables[seq_id]
+            block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=block_tables,
+            max_query_len=max(len(t) for t in chunks.values()),
+            max_seq_len=max(seq_lens),
+            block_size=self.block_size,
+        )
+        with torch.no_grad():
+            hidden = self.model(
+                torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta
+            )
+            logits = self.model.compute_logits(hidden)
+        return dict(zip(chunks, logits.split([len(t) for t in chunks.values()]), strict=True))
+
+
+def random_tokens(vocab_size: int, n: int, seed: int) -> list[int]:
+    return torch.randint(
+        0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_paged_prefill_matches_transformers(hf_checkpoint, arch):
+    path, hf = hf_checkpoint(arch)
+    batcher = PagedBatcher(load_minillm(path))
+    prompts = {"a": random_tokens(97, 13, seed=1), "b": random_tokens(97, 6, seed=2)}
+    logits = batcher.step(prompts)
+    for seq_id, tokens in prompts.items():
+        torch.testing.assert_close(logits[seq_id], hf_logits(hf, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_paged_decode_matches_transformers_at_every_position(hf_checkpoint, arch):
+    path, hf = hf_checkpoint(arch)
+    batcher = PagedBatcher(load_minillm(path))
+    # long enough to cross the llama3 rope_scaling's original context (32 positions)
+    tokens = random_tokens(97, 45, seed=3)
+    expected = hf_logits(hf, tokens)
+    prompt_len = 7
+    prefill = batcher.step({"s": tokens[:prompt_len]})["s"]
+    torch.testing.assert_close(prefill, expected[:prompt_len], atol=ATOL, rtol=0)
+    for pos in range(prompt_len, len(tokens)):
+        step = batcher.step({"s": [tokens[pos]]})["s"]
+        torch.testing.assert_close(step[0], expected[pos], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_batch_equals_each_sequence_alone(hf_checkpoint, arch):
+    path, hf = hf_checkpoint(arch)
+    model = load_minillm(path)
+    prompt_a = random_tokens(97, 20, seed=4)  # prefilled in chunks of 9, 11
+    prompt_b = random_tokens(97, 10, seed=5)  # prefilled, then decoded
+    decode_b = random_tokens(97, 3, seed=6)
+
+    alone_a = PagedBatcher(model)
+    alone_a.step({"a": prompt_a[:9]})
+    expected_a = alone_a.step({"a": prompt_a[9:]})["a"]
+    alone_b = PagedBatcher(model)
+    alone_b.step({"b": prompt_b})
+    expected_b = [alone_b.step({"b": [t]})["b"] for t in decode_b]
+
+    mixed = PagedBatcher(model)
+    mixed.step({"b": prompt_b, "a": prompt_a[:9]})
+    # chunked prefill of a and a decode step of b in one flat batch
+    both = mixed.step({"b": [decode_b[0]], "a": prompt_a[9:]})
+    torch.testing.assert_close(both["a"], expected_a, atol=ATOL, rtol=0)
+    torch.testing.assert_close(both["b"], expected_b[0], atol=ATOL, rtol=0)
+    for t, expected in zip(decode_b[1:], expected_b[1:], strict=True):
+        torch.testing.assert_close(mixed.step({"b": [t]})["b"], expected, atol=ATOL, rtol=0)
+    # and both agree with transformers over the full sequence
+    torch.testing.assert_close(expected_a, hf_logits(hf, prompt_a)[9:], atol=ATOL, rtol=0)
+    full_b = hf_logits(hf, prompt_b + decode_b)
+    torch.testing.assert_close(torch.cat(expected_b), full_b[10:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_tied_and_untied_embeddings(hf_checkpoint, tie):
+    path, hf = hf_checkpoint("llama", tie_word_embeddings=tie)
+    model = load_minillm(path)
+    shared = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert shared == tie
+    input_ids = torch.tensor([random_tokens(97, 12, seed=7)])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.forward_causal(input_ids), hf(input_ids).logits, atol=ATOL, rtol=0
+        )
+    if not tie:
+        assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_half_precision_stays_close_to_float32(hf_checkpoint, arch, dtype):
+    path, _ = hf_checkpoint(arch)
+    model32 = load_minillm(path)
+    model16 = load_minillm(path).to(dtype)
+    tokens = random_tokens(97, 24, seed=8)
+    with torch.no_grad():
+        expected = model32.forward_causal(torch.tensor([tokens]))[0]
+        causal = model16.forward_causal(torch.tensor([tokens]))[0]
+    batcher = PagedBatcher(model16)
+    paged = torch.cat(
+        [batcher.step({"s": tokens[:16]})["s"], batcher.step({"s": tokens[16:]})["s"]]
+    )
+    assert causal.dtype == paged.dtype == torch.float32
+    assert batcher.kv_caches[0].dtype == dtype
+    # bf16 keeps 8 mantissa bits (unit roundoff 2^-8), fp16 11; logits here are O(1)
+    atol = 0.15 if dtype == torch.bfloat16 else 0.02
+    for actual in (causal, paged):
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
+        assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
