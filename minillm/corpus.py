@@ -1,0 +1,144 @@
+"""The training corpus: the Python standard library, its split, and its tokenizer.
+
+The bundled models learn from the `.py` files of the interpreter that runs the training,
+read in sorted order so that two runs see the same bytes. A file goes to the validation
+split when a hash of its relative path says so; the split therefore never depends on the
+order of files or on how many there are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import sys
+import sysconfig
+from dataclasses import dataclass
+
+import numpy as np
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN]  # ids 0, 1, 2
+
+
+@dataclass(slots=True)
+class Document:
+    path: str  # relative to the standard library root, with "/" separators
+    text: str
+
+
+def stdlib_root() -> pathlib.Path:
+    """The running interpreter's standard library directory."""
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def corpus_description() -> str:
+    """One line naming the corpus, for logs and model cards."""
+    return f"CPython {sys.version.split()[0]} standard library ({stdlib_root()})"
+
+
+def read_stdlib(root: pathlib.Path | None = None) -> list[Document]:
+    """All `.py` files under `root` except third-party packages, sorted by relative path.
+
+    Files that are not valid UTF-8 (a few tests carry deliberately broken encodings) are
+    skipped rather than decoded with replacement characters the model would learn.
+    """
+    root = stdlib_root() if root is None else root
+    documents = []
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        relative = path.relative_to(root).as_posix()
+        if "site-packages" in path.relative_to(root).parts:
+            continue
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        documents.append(Document(relative, text))
+    if not documents:
+        raise ValueError(f"no .py files found under {root}; expected a standard library directory")
+    return documents
+
+
+def is_validation(path: str, validation_fraction: float) -> bool:
+    """Deterministic split: the first 8 bytes of sha256(path) as a fraction of 2**64."""
+    digest = hashlib.sha256(path.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < validation_fraction
+
+
+def split_documents(
+    documents: list[Document], validation_fraction: float = 0.02
+) -> tuple[list[Document], list[Document]]:
+    """(train, validation), each in the input order."""
+    if not 0.0 < validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}")
+    train = [d for d in documents if not is_validation(d.path, validation_fraction)]
+    validation = [d for d in documents if is_validation(d.path, validation_fraction)]
+    return train, validation
+
+
+def train_tokenizer(documents: list[Document], vocab_size: int = 4096) -> Tokenizer:
+    """A byte-level BPE (GPT-2 style) whose ids 0..2 are BOS, EOS and PAD.
+
+    Newlines are split off before the byte-level pre-tokenizer. GPT-2's rule alone glues a
+    newline to the indentation after it, so a prompt that ends in "\\n" would stop inside
+    a token the model almost never sees end there.
+    `encode` adds BOS in front, as every training document starts with it.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((d.text for d in documents), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, bos_id)]
+    )
+    return tokenizer
+
+
+def encode_documents(tokenizer: Tokenizer, documents: list[Document]) -> np.ndarray:
+    """One token stream: BOS + text + EOS for each document, back to back.
+
+    Returns: [num_tokens] uint16 (the vocabulary has fewer than 65,536 entries).
+    """
+    if tokenizer.get_vocab_size() > 2**16:
+        raise ValueError(f"vocabulary of {tokenizer.get_vocab_size()} does not fit in uint16")
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    encodings = tokenizer.encode_batch([d.text for d in documents], add_special_tokens=True)
+    pieces = [np.array(e.ids + [eos_id], dtype=np.uint16) for e in encodings]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint16)
+
+
+def tokenizer_config() -> dict:
+    """`tokenizer_config.json` for `transformers.AutoTokenizer` (a fast tokenizer)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "model_max_length": 1024,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, out_dir: pathlib.Path) -> None:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    config = tokenizer_config()
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    special = {k: config[k] for k in ("bos_token", "eos_token", "pad_token")}
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
