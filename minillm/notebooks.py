@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-import jupytext
 import nbformat
 
 from minillm.bootstrap import bootstrap_cell, repository_url
@@ -31,6 +30,8 @@ def is_executable_page(md_path: pathlib.Path) -> bool:
 
 def chapter_notebook(md_path: pathlib.Path, repo_url: str) -> str:
     """The `.ipynb` text for one chapter: bootstrap cell, then its cells, no outputs."""
+    import jupytext  # a book dependency; imported here so `minillm --help` stays light
+
     nb = jupytext.read(md_path, fmt="md:myst")
     cells = [bootstrap_cell(repo_url)]
     for cell in nb.cells:
