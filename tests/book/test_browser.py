@@ -130,7 +130,7 @@ def test_pages_render_in_a_real_browser(html_dir):
     assert match and match.group(1) != "pending", "the harness page did not finish"
     results = json.loads(html.unescape(match.group(1)))
     assert [r["url"] for r in results] == [f"/{p}.html" for p in pages]
-    for page, result in zip(pages, results):
+    for page, result in zip(pages, results, strict=True):
         assert result["title"] == expected_title(page), result
         assert result["broken"] == [], f"{page}: figures that do not load: {result['broken']}"
         assert result["errors"] == 0 and not result["traceback"], f"{page}: error output"
