@@ -32,7 +32,8 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _as_id_list(value: int | list[int] | None) -> list[int]:
+def as_id_list(value: int | list[int] | None) -> list[int]:
+    """A config's token id field, which may be absent, one id or a list, as a list."""
     if value is None:
         return []
     if isinstance(value, int):
@@ -142,7 +143,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", architecture == "Qwen2ForCausalLM")),
             qk_norm=architecture == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
+            eos_token_ids=as_id_list(cfg.get("eos_token_id")),
             torch_dtype=dtype,
         )
 

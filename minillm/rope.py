@@ -25,7 +25,8 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -
       - in between: interpolated, inv_freq * ((1 - s) / factor + s) with
         s = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor).
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    # on the CPU explicitly: a model built under torch.device("meta") still needs real values
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope_theta**exponents)
     if rope_scaling is None:
         return inv_freq

@@ -6,9 +6,11 @@ load in minillm and give the same logits.
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
+import tokenizers
 import torch
 
 LLAMA3_ROPE = {
@@ -64,14 +66,30 @@ def build_hf_model(arch: str, seed: int = 0, **overrides):
     return model
 
 
+def write_word_tokenizer(out: pathlib.Path, vocab_size: int) -> None:
+    """A whitespace word-level tokenizer.json with tokens <s>=1 and </s>=2 named as bos/eos."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.save(str(out / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 @pytest.fixture
 def hf_checkpoint(tmp_path: pathlib.Path):
-    """Factory: save a random `transformers` model to a directory; returns (dir, hf_model)."""
+    """Factory: save a random `transformers` model and a tokenizer to a directory;
+    returns (dir, hf_model). Extra keyword arguments override the config."""
 
-    def make(arch: str, seed: int = 0, **overrides):
+    def make(arch: str, seed: int = 0, max_shard_size: str | None = None, **overrides):
         model = build_hf_model(arch, seed, **overrides)
         out = tmp_path / f"{arch}-{seed}"
-        model.save_pretrained(out)
+        if max_shard_size is None:
+            model.save_pretrained(out)
+        else:
+            model.save_pretrained(out, max_shard_size=max_shard_size)
+        write_word_tokenizer(out, model.config.vocab_size)
         return out, model
 
     return make
