@@ -1,0 +1,284 @@
+"""The sampler: one batch of logits in, one token per row out.
+
+Each step of a row is a chain of logits processors followed by one draw, in vLLM's order:
+
+    raw logits -> min_tokens mask -> penalties -> temperature -> top-k -> top-p -> min-p -> sample
+
+Greedy rows (temperature 0) take the argmax of the penalized logits and skip the rest. The
+logprobs the sampler reports come from the raw logits, before any processing, as vLLM V1
+returns them by default.
+
+Every processor is a function of the whole batch, with the per-row parameters as tensors:
+`logits: [num_rows, vocab_size]`, `temperature: [num_rows]` and so on. Python loops remain only
+where rows are ragged (token histories) or own separate state (random generators).
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from minillm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """What the sampler needs to know about one row of the batch."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # the request's own, when it has a seed; see make_generator
+    eos_token_ids: Sequence[int] = ()  # masked with params.stop_token_ids until min_tokens
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # raw logprob of each sampled token
+    top_logprobs: list[list[tuple[int, float]] | None]  # params.logprobs best (id, logprob)
+
+
+def make_generator(
+    seed: int | None, index: int, device: str | torch.device
+) -> torch.Generator | None:
+    """The random generator of child `index` of a request (0 when n = 1), or None if unseeded.
+
+    Child i of a seeded request draws from its own generator seeded with seed + i (vLLM V1's
+    parallel-sampling rule), so its tokens depend on nothing else in the batch.
+    """
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed + index)
+
+
+def apply_min_tokens(logits: torch.Tensor, requests: Sequence[SamplingState]) -> torch.Tensor:
+    """Forbid stop tokens in rows that have produced fewer than params.min_tokens tokens.
+
+    The stop tokens are params.stop_token_ids plus the row's eos_token_ids (unless
+    params.ignore_eos). Masking them, rather than ignoring them when they are sampled, keeps
+    stop tokens out of the output.
+    """
+    logits = logits.clone()
+    for row, request in enumerate(requests):
+        params = request.params
+        if len(request.output_token_ids) < params.min_tokens:
+            stop_ids = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids += list(request.eos_token_ids)
+            logits[row, stop_ids] = float("-inf")
+    return logits
+
+
+def token_counts(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """counts[b, t] = how often token t occurs in token_ids[b]. Returns [num_rows, vocab_size]."""
+    counts = torch.zeros(len(token_ids), vocab_size, device=device)
+    for row, ids in enumerate(token_ids):
+        if ids:
+            ids_tensor = torch.tensor(ids, device=device)
+            counts[row] = torch.bincount(ids_tensor, minlength=vocab_size).to(counts.dtype)
+    return counts
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """Penalize tokens the request has already seen, on the raw logits (vLLM's conventions).
+
+    Repetition penalty r (Keskar et al., 2019, CTRL), for every token t in prompt or output:
+        l_t <- l_t / r  if l_t > 0,   l_t * r  otherwise
+    so r > 1 makes a seen token less likely whatever the sign of its logit.
+    Frequency penalty f and presence penalty p (OpenAI), over the output tokens only:
+        l_t <- l_t - f * count_t - p * [count_t > 0]
+
+    logits: [num_rows, vocab_size]; the penalties: [num_rows]; token ids: one list per row.
+    """
+    vocab_size = logits.shape[-1]
+    output_counts = token_counts(output_token_ids, vocab_size, logits.device)
+    output_mask = output_counts > 0
+    seen = (token_counts(prompt_token_ids, vocab_size, logits.device) > 0) | output_mask
+    r = torch.where(seen, repetition_penalty[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / r, logits * r)
+    logits = logits - frequency_penalty[:, None] * output_counts
+    return logits - presence_penalty[:, None] * output_mask
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Scale logits by 1 / T: softmax(l / T)_i is proportional to p_i ** (1 / T).
+
+    T < 1 sharpens the distribution towards the argmax, T > 1 flattens it towards uniform.
+    logits: [num_rows, vocab_size]; temperature: [num_rows], > 0.
+    """
+    return logits / temperature[:, None]
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep the k most likely tokens (Fan et al., 2018, "Hierarchical Neural Story Generation").
+
+        keep t  iff  l_t >= l_(k), the k-th largest logit of the row
+
+    Tokens tied with the k-th largest all stay (so a row can keep more than k), as in vLLM and
+    Hugging Face. top_k <= 0 or >= vocab_size keeps every token.
+    logits: [num_rows, vocab_size]; top_k: [num_rows] int64. Dropped tokens get logit -inf.
+    """
+    vocab_size = logits.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    cutoff = sorted_logits.gather(-1, (k - 1)[:, None])
+    return logits.masked_fill(logits < cutoff, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus filter (Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration").
+
+    Keep the smallest set of most likely tokens whose total probability reaches top_p:
+        keep t  iff  sum of p_s over tokens s with p_s > p_t  <  top_p
+    The most likely token always stays, and tokens tied at the cutoff stay or go together.
+    top_p = 1 keeps every token.
+    logits: [num_rows, vocab_size]; top_p: [num_rows] in (0, 1]. Dropped tokens get -inf.
+    """
+    probs = logits.softmax(dim=-1)
+    sorted_probs = probs.sort(dim=-1, descending=True).values
+    cumulative = sorted_probs.cumsum(dim=-1)
+    # the top token stays; each next one stays while the mass before it is below top_p
+    num_kept = 1 + (cumulative[:, :-1] < top_p[:, None]).sum(dim=-1)
+    cutoff = sorted_probs.gather(-1, (num_kept - 1)[:, None])
+    # top_p = 1 keeps all, even where rounding makes the cumulative sum reach 1.0 early
+    cutoff = torch.where(top_p[:, None] < 1, cutoff, 0.0)
+    return logits.masked_fill(probs < cutoff, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep tokens at least min_p times as likely as the most likely one (Nguyen et al., 2024,
+    "Turning Up the Heat: Min-p Sampling for Creative and Coherent LLM Outputs").
+
+        keep t  iff  p_t >= min_p * max_s p_s
+
+    The cutoff scales with the model's confidence: strict when one token dominates, loose when
+    many are close. min_p = 0 keeps every token.
+    logits: [num_rows, vocab_size]; min_p: [num_rows] in [0, 1]. Dropped tokens get -inf.
+    """
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def random_sample(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw one token per row of probs: [num_rows, vocab_size] by the exponential race.
+
+        token = argmax_t p_t / E_t,   E_t ~ Exp(1) independent
+
+    E_t / p_t is exponential with rate p_t, and the smallest of independent exponentials is
+    the t-th with probability p_t / sum_s p_s: an exact sample, and tokens with p_t = 0 never
+    win. Row b draws its noise from generators[b] when it has one, so its token does not depend
+    on the other rows; rows without one share `generator` (torch's default when None).
+    Returns [num_rows] int64.
+    """
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, row_generator in enumerate(generators):
+        if row_generator is not None:
+            noise[row].exponential_(generator=row_generator)
+    # a draw of exactly 0 would make p / E infinite, or NaN where p = 0
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def top_logprobs(
+    logprobs: torch.Tensor, num_top: Sequence[int | None]
+) -> list[list[tuple[int, float]] | None]:
+    """The num_top[b] best (token id, logprob) pairs of row b, best first (None where None).
+
+    logprobs: [num_rows, vocab_size].
+    """
+    wanted = [n for n in num_top if n is not None]
+    if not wanted:
+        return [None] * len(num_top)
+    k = min(max(wanted), logprobs.shape[-1])
+    values, ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+    return [
+        None if n is None else list(zip(ids[row][:n], values[row][:n], strict=True))
+        for row, n in enumerate(num_top)
+    ]
+
+
+class Sampler:
+    """Turns a batch of logits into one token per row, each row with its own SamplingParams."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        # shared by rows without a seed; torch's default generator when None
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> SamplerOutput:
+        """logits: [num_rows, vocab_size], the raw model logits; requests: one state per row."""
+        if logits.ndim != 2 or logits.shape[0] != len(requests):
+            raise ValueError(
+                f"expected logits of shape [{len(requests)}, vocab_size] (one row per request), "
+                f"got {tuple(logits.shape)}"
+            )
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1)
+        params = [request.params for request in requests]
+
+        if any(len(r.output_token_ids) < r.params.min_tokens for r in requests):
+            logits = apply_min_tokens(logits, requests)
+        if any(
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params
+        ):
+            logits = apply_penalties(
+                logits,
+                [r.prompt_token_ids for r in requests],
+                [r.output_token_ids for r in requests],
+                self._column(params, "presence_penalty", logits),
+                self._column(params, "frequency_penalty", logits),
+                self._column(params, "repetition_penalty", logits),
+            )
+
+        token_ids = logits.argmax(dim=-1)  # greedy; ties go to the lowest token id
+        is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+        if not is_greedy.all():
+            sampled = self._sample(logits, requests, is_greedy)
+            token_ids = torch.where(is_greedy, token_ids, sampled)
+
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            logprobs=raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1).tolist(),
+            top_logprobs=top_logprobs(raw_logprobs, [p.logprobs for p in params]),
+        )
+
+    def _sample(
+        self, logits: torch.Tensor, requests: Sequence[SamplingState], is_greedy: torch.Tensor
+    ) -> torch.Tensor:
+        """Temperature, the filters that some row asks for, then one random draw per row."""
+        params = [request.params for request in requests]
+        temperature = self._column(params, "temperature", logits)
+        # greedy rows' draws are discarded; T = 1 just keeps their arithmetic finite
+        logits = apply_temperature(logits, torch.where(is_greedy, 1.0, temperature))
+        if any(p.top_k > 0 for p in params):
+            logits = apply_top_k(logits, self._column(params, "top_k", logits, torch.int64))
+        if any(p.top_p < 1 for p in params):
+            logits = apply_top_p(logits, self._column(params, "top_p", logits))
+        if any(p.min_p > 0 for p in params):
+            logits = apply_min_p(logits, self._column(params, "min_p", logits))
+        generators = [request.generator for request in requests]
+        return random_sample(logits.softmax(dim=-1), generators, self.generator)
+
+    @staticmethod
+    def _column(
+        params: Sequence[SamplingParams],
+        name: str,
+        like: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """One sampling parameter of every row, as a [num_rows] tensor on like's device."""
+        return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=like.device)
