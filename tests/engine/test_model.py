@@ -53,11 +53,13 @@ class PagedBatcher:
     def __init__(self, model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 64):
         config = model.config
         dtype = model.lm_head.weight.dtype
+        self.device = model.lm_head.weight.device
         self.model = model
         self.block_size = block_size
         shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
-            torch.full(shape, float("nan"), dtype=dtype) for _ in range(config.num_hidden_layers)
+            torch.full(shape, float("nan"), dtype=dtype, device=self.device)
+            for _ in range(config.num_hidden_layers)
         ]
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
         self.free_blocks = self.free_blocks.tolist()
@@ -95,11 +97,16 @@ class PagedBatcher:
             max_seq_len=max(seq_lens),
             block_size=self.block_size,
         )
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            setattr(meta, name, getattr(meta, name).to(self.device))
         with torch.no_grad():
             hidden = self.model(
-                torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta
+                torch.tensor(input_ids, device=self.device),
+                torch.tensor(positions, device=self.device),
+                self.kv_caches,
+                meta,
             )
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden).cpu()
         return dict(zip(chunks, logits.split([len(t) for t in chunks.values()]), strict=True))
 
 
@@ -204,3 +211,22 @@ def test_half_precision_stays_close_to_float32(hf_checkpoint, arch, dtype):
     for actual in (causal, paged):
         torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
         assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_matches_cpu(hf_checkpoint, arch):
+    path, _ = hf_checkpoint(arch)
+    cpu = load_minillm(path)
+    cuda = load_minillm(path).to("cuda")
+    tokens = random_tokens(97, 30, seed=9)
+    with torch.no_grad():
+        expected = cpu.forward_causal(torch.tensor([tokens]))[0]
+        causal = cuda.forward_causal(torch.tensor([tokens], device="cuda"))[0].cpu()
+    batcher = PagedBatcher(cuda)
+    paged = torch.cat(
+        [batcher.step({"s": tokens[:20]})["s"], batcher.step({"s": tokens[20:]})["s"]]
+    )
+    # TF32 and other kernels: close, not bitwise
+    torch.testing.assert_close(causal, expected, atol=1e-3, rtol=0)
+    torch.testing.assert_close(paged, expected, atol=1e-3, rtol=0)
