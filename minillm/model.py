@@ -82,7 +82,9 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q: [batch, seq, num_heads, d]; k, v: [batch, seq, num_kv_heads, d] -> like q."""
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
@@ -157,6 +159,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The decoder plus the LM head that turns hidden states into next-token logits."""
+
     def __init__(self, config: ModelConfig, attention_backend: str = "torch") -> None:
         super().__init__()
         self.config = config
