@@ -17,6 +17,10 @@ settings.register_profile(
 settings.register_profile("dev", max_examples=100, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# The tests use tiny models; one intra-op thread is as fast for them, and leaves the other
+# core to the next process instead of two processes' threads spinning against each other.
+torch.set_num_threads(int(os.environ.get("MINILLM_TEST_THREADS", "1")))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
