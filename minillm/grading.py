@@ -33,6 +33,7 @@ import sys
 
 import nbformat
 from nbformat.v4.rwbase import rejoin_lines, strip_transient
+from nbformat.validator import iter_validate
 
 GRADED_RE = re.compile(r"^\s*#\s*GRADED:\s*(\d+)\s+points?\s*$", re.MULTILINE)
 DEFAULT_TIMEOUT_S = 60
@@ -110,11 +111,11 @@ def read_notebook(path: str | os.PathLike[str]) -> nbformat.NotebookNode:
         raise NotebookReadError(f"not valid JSON: {exc}") from exc
     if not isinstance(data, dict) or data.get("nbformat") != 4:
         raise NotebookReadError("not a Jupyter notebook (expected a JSON object with nbformat 4)")
+    # iter_validate only reads; nbformat.validate would first "repair" the dict, and
+    # fails with KeyError or TypeError on some malformed ones.
+    for error in iter_validate(data):
+        raise NotebookReadError(f"not a valid notebook: {error.message}")
     nb = nbformat.from_dict(data)
-    try:
-        nbformat.validate(nb)
-    except nbformat.ValidationError as exc:
-        raise NotebookReadError(f"not a valid notebook: {exc.message}") from exc
     # What nbformat.reads does after parsing: multi-line strings stored as lists are joined.
     return strip_transient(rejoin_lines(nb))
 
@@ -166,6 +167,25 @@ def execute_notebook(
     return errors
 
 
+def graded_cells(nb: nbformat.NotebookNode) -> dict[int, int]:
+    """{cell index: points} for every code cell marked `# GRADED: N points`."""
+    return {
+        i: points
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code" and (points := graded_points(cell.source)) is not None
+    }
+
+
+def score_cells(nb: nbformat.NotebookNode, errors: dict[int, str | None]) -> list[CellGrade]:
+    """Grade the graded cells of `nb` from `execute_notebook`'s per-cell errors."""
+    return [
+        CellGrade(
+            i, points, passed=i in errors and errors[i] is None, error=errors.get(i, "not run")
+        )
+        for i, points in graded_cells(nb).items()
+    ]
+
+
 def grade_notebook(
     path: str | os.PathLike[str], timeout_s: int = DEFAULT_TIMEOUT_S
 ) -> NotebookGrade:
@@ -179,26 +199,14 @@ def grade_notebook(
         nb = read_notebook(path)
     except NotebookReadError as exc:
         return NotebookGrade(str(path), cells=[], error=str(exc))
-    graded = {
-        i: points
-        for i, cell in enumerate(nb.cells)
-        if cell.cell_type == "code" and (points := graded_points(cell.source)) is not None
-    }
     try:
         errors = execute_notebook(nb, path.resolve().parent, timeout_s)
     # A batch of submissions must survive any one of them: the kernel can fail to
     # start, die, or stop answering, and nbclient reports each with its own exception.
     except Exception as exc:
         message = f"did not run: {type(exc).__name__}: {exc}".strip()
-        cells = [CellGrade(i, p, passed=False, error="not run") for i, p in graded.items()]
-        return NotebookGrade(str(path), cells=cells, error=message)
-    cells = [
-        CellGrade(
-            i, points, passed=i in errors and errors[i] is None, error=errors.get(i, "not run")
-        )
-        for i, points in graded.items()
-    ]
-    return NotebookGrade(str(path), cells=cells)
+        return NotebookGrade(str(path), cells=score_cells(nb, {}), error=message)
+    return NotebookGrade(str(path), cells=score_cells(nb, errors))
 
 
 def collect_notebooks(paths: list[str]) -> tuple[list[pathlib.Path], list[str]]:

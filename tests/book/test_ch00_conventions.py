@@ -1,0 +1,111 @@
+"""The checks of the conventions exercise reject plausible wrong answers.
+
+The check cells run in this process (no kernel): the solution's cells define the
+functions, then each graded cell runs once with the solution (it must pass), once with
+the stub (NotImplementedError), and once per wrong answer (it must fail).
+"""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.inputtransformer2 import TransformerManager
+
+from minillm.grading import graded_cells, read_notebook
+
+from .conftest import ROOT
+
+SOLUTION = ROOT / "solutions" / "ch00_conventions.ipynb"
+EXERCISE = ROOT / "exercises" / "ch00_conventions.ipynb"
+
+WRONG_ANSWERS = {
+    "weight_bytes_bf16": {
+        "bits instead of bytes": lambda n: 16 * n,
+        "float32 bytes": lambda n: 4 * n,
+        "one byte per weight": lambda n: n,
+    },
+    "to_gb_and_gib": {
+        "both decimal": lambda b: (b / 1e9, b / 1e9),
+        "both binary": lambda b: (b / 2**30, b / 2**30),
+        "swapped": lambda b: (b / 2**30, b / 1e9),
+        "1024 * 1000 * 1000": lambda b: (b / 1e9, b / (1024 * 1000 * 1000)),
+        "bits": lambda b: (8 * b / 1e9, 8 * b / 2**30),
+    },
+    "packed_bytes": {
+        "bits instead of bytes": lambda n, bits: n * bits,
+        "rounded down": lambda n, bits: n * bits // 8,
+        "not rounded": lambda n, bits: n * bits / 8,
+        "at least a byte per element": lambda n, bits: n * max(bits // 8, 1),
+    },
+    "fp16_elements_in": {
+        "GB instead of GiB": lambda g: g * 10**9 // 2,
+        "bytes, not elements": lambda g: g * 2**30,
+        "divided by 16 bits": lambda g: g * 2**30 // 16,
+        "1024 * 1000 * 1000": lambda g: g * 1024 * 1000 * 1000 // 2,
+    },
+    "decode_rates": {
+        "seconds per token": lambda n, d: (n / d, d / n),
+        "tokens per ms": lambda n, d: (n / d / 1000, 1000 * d / n),
+        "swapped": lambda n, d: (1000 * d / n, n / d),
+        "tokens per minute": lambda n, d: (60 * n / d, 1000 * d / n),
+    },
+}
+CASES = [(name, label) for name, wrong in WRONG_ANSWERS.items() for label in wrong]
+
+
+def run(source: str, namespace: dict) -> None:
+    # The bootstrap's %pip line becomes get_ipython().run_line_magic(...) in a branch
+    # that does not run here, since minillm imports.
+    exec(compile(TransformerManager().transform_cell(source), "<cell>", "exec"), namespace)
+
+
+def setup(path) -> tuple[dict, dict[str, str]]:
+    """Run the non-graded cells; returns the namespace and {function: its check's source}."""
+    nb = read_notebook(path)
+    graded = graded_cells(nb)
+    namespace: dict = {}
+    checks: dict[str, str] = {}
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or i in graded:
+            continue
+        run(cell.source, namespace)
+        for name in WRONG_ANSWERS:
+            if f"def {name}(" in cell.source:
+                check = next(j for j in sorted(graded) if j > i)
+                checks[name] = nb.cells[check].source
+    return namespace, checks
+
+
+@pytest.fixture(scope="module")
+def solution():
+    return setup(SOLUTION)
+
+
+def test_five_graded_cells_worth_twelve_points():
+    assert list(graded_cells(read_notebook(SOLUTION)).values()) == [2, 3, 2, 2, 3]
+
+
+def test_each_exercise_has_its_check(solution):
+    _, checks = solution
+    assert sorted(checks) == sorted(WRONG_ANSWERS)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
+def test_check_passes_on_the_solution(solution, name):
+    namespace, checks = solution
+    run(checks[name], dict(namespace))
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
+def test_check_fails_on_the_stub(name):
+    namespace, checks = setup(EXERCISE)
+    with pytest.raises(NotImplementedError):
+        run(checks[name], namespace)
+
+
+@pytest.mark.parametrize("name, label", CASES, ids=[f"{n}-{w}" for n, w in CASES])
+def test_check_rejects_a_plausible_wrong_answer(solution, name, label):
+    namespace, checks = solution
+    namespace = dict(namespace)
+    namespace[name] = WRONG_ANSWERS[name][label]
+    with pytest.raises(AssertionError):
+        run(checks[name], namespace)

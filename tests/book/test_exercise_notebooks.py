@@ -1,0 +1,76 @@
+"""The repository's exercises: current with their solutions, and graded as designed.
+
+Every solution notebook runs clean, earns full marks and carries the outputs a fresh
+run produces; every exercise notebook fails at each graded cell (with the stub's
+NotImplementedError) and nowhere else; every notebook starts with the bootstrap cell.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from minillm.bootstrap import is_bootstrap_cell, repository_url
+from minillm.exercises import stale_exercises
+from minillm.grading import execute_notebook, graded_cells, read_notebook, score_cells
+
+from .conftest import ROOT
+
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
+TIMEOUT_S = 120
+
+
+def ids(paths):
+    return [f"{p.parent.name}/{p.name}" for p in paths]
+
+
+def test_there_are_exercises():
+    assert SOLUTIONS, "solutions/ holds no notebooks"
+
+
+def test_exercises_are_current_with_solutions():
+    stale = stale_exercises(
+        ROOT / "solutions", ROOT / "exercises", repository_url(ROOT / "_config.yml")
+    )
+    assert stale == [], "run `minillm exercises release`"
+
+
+@pytest.mark.parametrize("path", SOLUTIONS + EXERCISES, ids=ids(SOLUTIONS + EXERCISES))
+def test_first_cell_is_the_bootstrap(path):
+    first = read_notebook(path).cells[0]
+    assert is_bootstrap_cell(first, repository_url(ROOT / "_config.yml"))
+
+
+def code_cells(nb) -> set[int]:
+    return {i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()}
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=ids(SOLUTIONS))
+def test_solution_earns_full_marks_and_stores_its_outputs(path):
+    nb = read_notebook(path)
+    stored = copy.deepcopy(nb)
+    errors = execute_notebook(nb, path.parent, TIMEOUT_S)
+    assert {i: e for i, e in errors.items() if e is not None} == {}
+    assert set(errors) == code_cells(nb)
+    cells = score_cells(nb, errors)
+    assert cells and all(cell.passed for cell in cells)
+    for i in code_cells(nb):
+        fresh = (nb.cells[i].execution_count, nb.cells[i].outputs)
+        assert (stored.cells[i].execution_count, stored.cells[i].outputs) == fresh, (
+            f"cell {i}: stored outputs differ from a fresh run; run `minillm exercises execute`"
+        )
+
+
+@pytest.mark.parametrize("path", EXERCISES, ids=ids(EXERCISES))
+def test_exercise_fails_exactly_at_its_graded_cells(path):
+    nb = read_notebook(path)
+    graded = graded_cells(nb)
+    errors = execute_notebook(nb, path.parent, TIMEOUT_S)
+    assert set(errors) == code_cells(nb), "every code cell runs"
+    failed = {i: e for i, e in errors.items() if e is not None}
+    assert set(failed) == set(graded)
+    for i, error in failed.items():
+        assert error.startswith("NotImplementedError"), f"cell {i} fails for another reason"
+    assert sum(cell.points for cell in score_cells(nb, errors)) == 0
