@@ -271,9 +271,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     release_parser = actions.add_parser(
-        "release", help="regenerate exercises/ from solutions/", description=__doc__
+        "release",
+        help="regenerate exercises/ from solutions/",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    release_parser.formatter_class = argparse.RawDescriptionHelpFormatter
     release_parser.add_argument(
         "--fix-bootstrap",
         action="store_true",
@@ -324,7 +326,7 @@ def _release(args: argparse.Namespace) -> int:
                 print(f"updated the bootstrap cell of {path}")
         changes = release(solutions, exercises, repo_url)
     except ReleaseError as exc:
-        return _fail(f"nothing written:\n{exc}")
+        return _fail(f"no exercise written:\n{exc}")
     except (FileNotFoundError, ValueError) as exc:
         return _fail(str(exc))
     print("\n".join(changes) if changes else f"{exercises} is up to date")

@@ -253,7 +253,7 @@ def test_cli_release_errors_write_nothing_and_exit_1(project, capsys):
     write_notebook(project.solutions / "ch01.ipynb", notebook([code("### BEGIN SOLUTION")]))
     assert main(["exercises", "release", *project.cli_folders()]) == 1
     err = capsys.readouterr().err
-    assert "nothing written" in err and f"{project.solutions / 'ch01.ipynb'}: cell 1:" in err
+    assert "no exercise written" in err and f"{project.solutions / 'ch01.ipynb'}: cell 1:" in err
     assert not project.exercises.exists()
 
 
