@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = (
     "minillm.exercises",
     "minillm.grading",
     "minillm.notebooks",
+    "minillm.bench",
 )
 
 
