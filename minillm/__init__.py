@@ -1,1 +1,33 @@
-"""minillm: a small but complete LLM inference engine."""
+"""minillm: a small but complete LLM inference engine.
+
+from minillm import LLM, SamplingParams
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# The public API, imported on first use: `import minillm` and the `minillm` command stay fast
+# until something needs the engine (and torch).
+_EXPORTS = {
+    "LLM": "minillm.llm",
+    "SamplingParams": "minillm.sampling_params",
+    "LLMEngine": "minillm.engine",
+    "EngineArgs": "minillm.engine",
+    "RequestOutput": "minillm.outputs",
+    "CompletionOutput": "minillm.outputs",
+}
+__all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput"]
+
+if TYPE_CHECKING:
+    from minillm.engine import EngineArgs, LLMEngine
+    from minillm.llm import LLM
+    from minillm.outputs import CompletionOutput, RequestOutput
+    from minillm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'minillm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

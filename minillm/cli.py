@@ -15,6 +15,7 @@ import sys
 
 SUBCOMMAND_MODULES = (
     "minillm.exercises",
+    "minillm.generate",
     "minillm.grading",
     "minillm.notebooks",
     "minillm.bench",

@@ -250,7 +250,6 @@ def test_stop_token_ids_and_stop_strings(model_dir, reference):
     tokenizer = engine.tokenizer
     prompt = "the quick brown"
     full = reference(tuple(tokenizer.encode(prompt)), 20)
-    full_text = tokenizer.decode(full)
 
     stop_token = full[4]
     params = SamplingParams(
@@ -263,6 +262,11 @@ def test_stop_token_ids_and_stop_strings(model_dir, reference):
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_token)
     assert completion.text == tokenizer.decode(full[:cut])
 
+    # the stop string: three characters from the middle of the unstopped output text
+    engine.add_request(
+        "full", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    )
+    full_text = iter_outputs(engine)[-1].outputs[0].text
     stop_str = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop_str])
     engine.add_request("str", prompt, params)
