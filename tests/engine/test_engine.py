@@ -10,7 +10,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from tiny_llama import build_tiny_llama, greedy_reference
 
@@ -120,7 +120,6 @@ def test_forced_preemption_does_not_change_outputs(model_dir, reference):
     assert any(trace.preempted for trace in engine.stats.trace)
 
 
-@settings(max_examples=6)
 @given(
     block_size=st.sampled_from([2, 4, 8]),
     budget=st.integers(2, 40),
