@@ -11,6 +11,7 @@ batched continuously; `stream` yields one prompt's output as its tokens arrive.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
@@ -26,7 +27,7 @@ Prompt = str | list[int]  # text, or token ids
 class LLM:
     """A model and an engine around it; options are EngineArgs fields (block_size=...)."""
 
-    def __init__(self, model: str | None = None, **engine_args) -> None:
+    def __init__(self, model: str | os.PathLike | None = None, **engine_args) -> None:
         args = EngineArgs(**engine_args) if model is None else EngineArgs(model, **engine_args)
         self.engine = LLMEngine(args)
         self._request_counter = itertools.count()

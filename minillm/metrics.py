@@ -1,8 +1,8 @@
 """Latency metrics of one request, and counters of the whole engine.
 
-A request records five kinds of timestamp: when it arrived, when the scheduler first gave it
-tokens, when each output token came out of the sampler, and when it finished. Every latency the
-book uses is a difference of these:
+A request records when it arrived, when the scheduler first gave it tokens, when each output
+token came out of the sampler (the first of them is the first token), and when it finished.
+Every latency the book uses is a difference of these:
 
     queueing time  = first scheduled - arrival
     TTFT           = first token - arrival                (time to first token)
