@@ -1,0 +1,112 @@
+"""The scheduler without a model: which request runs in which step, in microseconds.
+
+`simulate_schedule` drives minillm's own `Scheduler` and `KVCacheManager` on requests that all
+arrive at once, with a stand-in for the model runner that samples a token that never stops a
+request. Each request therefore produces exactly its `num_output_tokens`, and the step traces
+are the ones the engine would record for the same requests and options: the schedule depends
+on token counts, not on what the tokens are. Chapters use it to count steps and to draw
+schedules too large to run through a model on a laptop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from minillm.kv_cache_manager import KVCacheManager
+from minillm.metrics import StepTrace
+from minillm.outputs import SampledToken
+from minillm.request import Request
+from minillm.sampling_params import SamplingParams
+from minillm.scheduler import Scheduler
+
+# the token every simulated step samples; no simulated request has a stop token
+SIMULATED_TOKEN_ID = 0
+
+
+@dataclass(slots=True, frozen=True)
+class SimRequest:
+    """A request by its sizes: how many prompt tokens, and how many tokens it will generate."""
+
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 1 or self.num_output_tokens < 1:
+            raise ValueError(
+                "a simulated request needs at least one prompt token and one output token, "
+                f"got {self.num_prompt_tokens} and {self.num_output_tokens}"
+            )
+
+
+@dataclass(slots=True)
+class ScheduleSim:
+    """What the scheduler did with the requests: one trace per step, and when each finished."""
+
+    traces: list[StepTrace]
+    finish_steps: list[int]  # per request, the step in which it sampled its last token
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.traces)
+
+
+def simulate_schedule(
+    requests: Sequence[SimRequest | tuple[int, int]],
+    max_num_seqs: int,
+    max_num_batched_tokens: int = 2048,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    enable_chunked_prefill: bool = True,
+) -> ScheduleSim:
+    """Schedule `requests` (arriving together, in this order) until all have finished.
+
+    Request i gets the id str(i) and prompt token ids of its own, so the prefix cache never
+    hits. num_blocks defaults to room for every request at its full length (no preemption).
+    """
+    sims = [r if isinstance(r, SimRequest) else SimRequest(*r) for r in requests]
+    if not sims:
+        return ScheduleSim(traces=[], finish_steps=[])
+    max_model_len = max(r.num_prompt_tokens + r.num_output_tokens for r in sims)
+    if num_blocks is None:
+        num_blocks = sum(
+            math.ceil((r.num_prompt_tokens + r.num_output_tokens) / block_size) for r in sims
+        )
+    manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+    scheduler = Scheduler(
+        manager,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=enable_chunked_prefill,
+        clock=lambda: 0.0,
+    )
+    requests_in_order: list[Request] = []
+    next_token_id = SIMULATED_TOKEN_ID + 1
+    for i, sim in enumerate(sims):
+        prompt = list(range(next_token_id, next_token_id + sim.num_prompt_tokens))
+        next_token_id += sim.num_prompt_tokens
+        params = SamplingParams(max_tokens=sim.num_output_tokens, ignore_eos=True)
+        request = Request(str(i), prompt, params, arrival_time=0.0)
+        requests_in_order.append(request)
+        scheduler.add_request(request)
+
+    traces: list[StepTrace] = []
+    finish_steps = [-1] * len(sims)
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        if not output.scheduled:
+            raise RuntimeError(
+                f"step {output.step} scheduled nothing: these options cannot serve the requests"
+            )
+        sampled = {
+            s.request.request_id: SampledToken(SIMULATED_TOKEN_ID)
+            for s in output.scheduled
+            if s.samples
+        }
+        for request in scheduler.update_from_output(output, sampled):
+            if request.is_finished:
+                finish_steps[int(request.request_id)] = output.step
+        traces.append(output.trace())
+    return ScheduleSim(traces=traces, finish_steps=finish_steps)
