@@ -1,1 +1,41 @@
-"""Triton kernels, each with a PyTorch reference oracle."""
+"""Triton kernels, each with a PyTorch reference oracle beside it.
+
+One module per kernel: the `@triton.jit` kernel, its launcher (which checks shapes, dtypes,
+devices and strides, raising ValueError before anything is launched, and then picks block
+sizes), a PyTorch reference that shares no code with the kernel, and the bytes moved and
+FLOPs done per call, from which the benchmarks draw the roofline.
+
+- `kernels.rmsnorm`: RMSNorm, optionally fused with the residual add before it.
+- `kernels.rope`: rotary position embedding of q and k at per-token positions.
+- `kernels.flash_attention`: FlashAttention forward for prefill (causal, GQA, packed
+  variable-length sequences) that also attends over a prefix held in the paged KV cache.
+- `kernels.paged_decode`: one query per sequence over its block table, split-KV
+  (Flash-Decoding) with a log-sum-exp merge.
+- `kernels.quant_matmul`: weight-only quantized matmul, W8A16 per output channel and W4A16
+  group-wise, dequantized inside the GEMM.
+- `kernels.kv_cache`: the store of new keys and values into their cache slots.
+- `kernels.attention_backend`: the engine's "triton" attention backend built from them.
+
+Running without a GPU. Triton decides when `@triton.jit` runs, that is when a kernel module
+is imported, whether the kernel is compiled for a GPU or run by its interpreter, a NumPy
+emulation of the same program that is slow but exact enough to test against. So this file,
+which runs before any kernel module, sets TRITON_INTERPRET=1 when CUDA is unavailable and
+the user has not set the variable either way. Setting it after a kernel module is imported
+does nothing: launches then fail with "0 active drivers". `INTERPRETED` records the choice.
+
+Two interpreter facts shape the kernels: bfloat16 `tl.dot` gives wrong numbers there, and
+float32 `tl.dot` is exact there (a GPU uses TF32 unless told otherwise). Every kernel
+therefore computes its dots in float32 when interpreted, and asks for IEEE float32 when its
+inputs are float32 on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
