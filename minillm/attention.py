@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(slots=True)
@@ -60,33 +61,93 @@ def torch_paged_attention(
     q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
     Query j of a sequence with q_len new tokens and seq_len context sits at position
     seq_len - q_len + j and sees context positions 0 .. seq_len - q_len + j.
-    Scores and softmax are computed in float32, one sequence at a time.
+    Decode sequences (one new token each) are attended together in one batched call;
+    sequences with several new tokens (prefill chunks) one at a time.
     """
-    num_heads = q.shape[1]
-    num_kv_heads = kv_cache_layer.shape[3]
     out = torch.empty_like(q)
+    q_lens = meta.query_start_loc.diff()
+    decode_seqs = (q_lens == 1).nonzero().flatten()
+    if decode_seqs.numel() > 0:
+        rows = meta.query_start_loc[decode_seqs].long()  # the one query token of each
+        out[rows] = paged_decode_attention(
+            q[rows],
+            kv_cache_layer,
+            meta.block_tables[decode_seqs],
+            meta.seq_lens[decode_seqs],
+            meta.block_size,
+            scale,
+        )
     query_start_loc = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
-    for i, seq_len in enumerate(seq_lens):
+    for i in (q_lens > 1).nonzero().flatten().tolist():
         start, end = query_start_loc[i], query_start_loc[i + 1]
-        q_len = end - start
-        if q_len == 0:
-            continue
-        num_blocks = -(-seq_len // meta.block_size)
-        blocks = meta.block_tables[i, :num_blocks].long()
-        # gather: [num_blocks, block_size, kv_heads, d] -> [seq_len, kv_heads, d]
-        k = kv_cache_layer[0, blocks].flatten(0, 1)[:seq_len].float()
-        v = kv_cache_layer[1, blocks].flatten(0, 1)[:seq_len].float()
-        # grouped-query attention: query head h reads kv head h // (num_heads / num_kv_heads)
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        key_pos = torch.arange(seq_len, device=q.device)
-        scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        out[start:end] = prefill_attention(
+            q[start:end], kv_cache_layer, meta.block_tables[i], seq_lens[i], meta.block_size, scale
+        )
     return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's q_len new queries over its seq_len cached tokens, causally.
+
+    q: [q_len, num_heads, head_dim]; block_table: [max_num_blocks] -> [q_len, num_heads,
+    head_dim]. Scores and softmax in float32.
+    """
+    q_len, num_heads, _ = q.shape
+    num_kv_heads = kv_cache_layer.shape[3]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    # gather: [num_blocks, block_size, kv_heads, d] -> [seq_len, kv_heads, d]
+    k = kv_cache_layer[0, blocks].flatten(0, 1)[:seq_len].float()
+    v = kv_cache_layer[1, blocks].flatten(0, 1)[:seq_len].float()
+    # grouped-query attention: query head h reads kv head h // (num_heads / num_kv_heads)
+    k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+    key_pos = torch.arange(seq_len, device=q.device)
+    scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence over its whole context, for all sequences at once.
+
+    q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_num_blocks];
+    seq_lens: [num_seqs] -> [num_seqs, num_heads, head_dim]. The contexts are gathered into
+    one padded [num_seqs, max_seq_len] batch and attended with a padding mask, in float32.
+    """
+    num_kv_heads, head_dim = kv_cache_layer.shape[3:]
+    seq_lens = seq_lens.long()
+    positions = torch.arange(int(seq_lens.max()), device=q.device)
+    # Padding positions repeat the sequence's last token, so every gathered value is one the
+    # sequence wrote (an unwritten slot may hold anything, even NaN); the mask hides them.
+    clamped = torch.minimum(positions[None, :], seq_lens[:, None] - 1)
+    # slot of every (sequence, position) through the block table: [num_seqs, max_seq_len]
+    blocks = block_tables.long().gather(1, clamped // block_size)
+    slots = blocks * block_size + clamped % block_size
+    k = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).float()
+    v = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).float()
+    valid = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :].float(), k, v, attn_mask=valid, scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0, :].to(q.dtype)
 
 
 class AttentionBackend(ABC):
