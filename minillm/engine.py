@@ -30,7 +30,7 @@ from minillm.outputs import RequestOutput, make_completion_output
 from minillm.request import Request, RequestStatus
 from minillm.sampler import Sampler, make_generator
 from minillm.sampling_params import SamplingParams
-from minillm.scheduler import Scheduler, SchedulerOutput
+from minillm.scheduler import BATCHING_TYPES, SCHEDULING_POLICIES, Scheduler, SchedulerOutput
 from minillm.tokenizer import IncrementalDetokenizer
 
 # max_model_len defaults to the model's limit, but at most this: a CPU pool for 40k-token
@@ -57,8 +57,19 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None  # ... or as a memory budget; default: see num_blocks
     attention_backend: str = "torch"
     seed: int = 0  # seeds the generator that rows without their own seed share
+    scheduling_policy: str = "fcfs"  # the waiting queue's order: "fcfs", "priority" or "sjf"
+    batching_type: str = "continuous"  # or "static": a new batch only when the last one is done
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.batching_type not in BATCHING_TYPES:
+            raise ValueError(
+                f"batching_type must be one of {BATCHING_TYPES}, got {self.batching_type!r}"
+            )
         for name in ("block_size", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -155,6 +166,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
             clock=clock,
+            scheduling_policy=args.scheduling_policy,
+            batching_type=args.batching_type,
         )
         sampler = Sampler(torch.Generator(self.device).manual_seed(args.seed))
         self.model_runner = ModelRunner(loaded.model, self.kv_cache_manager, sampler)
@@ -169,12 +182,22 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a prompt (text or token ids). Raises ValueError, and queues nothing, when the
-        prompt or the options cannot be served; the requests in flight carry on."""
+        prompt or the options cannot be served; the requests in flight carry on.
+
+        priority: with scheduling_policy="priority", lower values are served first (vLLM's
+        convention); any other policy accepts only the default 0.
+        """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if priority != 0 and self.scheduler.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority={priority} needs scheduling_policy='priority', "
+                f"this engine uses {self.scheduler.scheduling_policy!r}"
+            )
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._check_prompt(prompt_token_ids)
         if params.n > self.scheduler.max_num_seqs:
@@ -196,6 +219,7 @@ class LLMEngine:
                 arrival_time,
                 eos_token_ids=self.eos_token_ids,
                 index=index,
+                priority=priority,
                 generator=make_generator(params.seed, index, self.device),
                 detokenizer=IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids, params.skip_special_tokens

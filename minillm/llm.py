@@ -40,12 +40,18 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; returns their outputs in the order of the prompts.
 
         sampling_params: one for all prompts, or one per prompt (default SamplingParams()).
+        priority: one value per prompt, for an engine with scheduling_policy="priority"
+        (lower values first).
         """
         prompts = as_prompt_list(prompts)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -55,16 +61,18 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                     "give one for all or one per prompt"
                 )
-        request_ids = self._add_requests(prompts, params_list)
+        request_ids = self._add_requests(prompts, params_list, priorities)
         return self._run_until_finished(request_ids, use_tqdm)
 
-    def _add_requests(self, prompts: list[Prompt], params_list: list[SamplingParams]) -> list[str]:
+    def _add_requests(
+        self, prompts: list[Prompt], params_list: list[SamplingParams], priorities: list[int]
+    ) -> list[str]:
         """Queue all prompts, or none: a bad prompt withdraws the ones queued before it."""
         request_ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params, priority in zip(prompts, params_list, priorities, strict=True):
                 request_id = str(next(self._request_counter))
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, priority=priority)
                 request_ids.append(request_id)
         except ValueError:
             for request_id in request_ids:

@@ -115,6 +115,7 @@ class StepTrace:
     step: int
     scheduled: list[tuple[str, int, str]]  # (request_id, num_new_tokens, "prefill" | "decode")
     preempted: list[str]  # request ids preempted in this step
+    num_waiting: int = 0  # requests left waiting once the step was planned
 
 
 @dataclass(slots=True)

@@ -59,6 +59,7 @@ class Request:
     arrival_time: float
     eos_token_ids: frozenset[int] = frozenset()
     index: int = 0  # which of the prompt's sampling_params.n completions this sequence is
+    priority: int = 0  # scheduling_policy="priority": lower values are served first (vLLM's rule)
     generator: torch.Generator | None = None  # its own random stream when seeded
     detokenizer: IncrementalDetokenizer | None = None  # None: token ids only, no text
     output_token_ids: list[int] = field(default_factory=list)

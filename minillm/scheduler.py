@@ -11,8 +11,15 @@ prompt, and the scheduler hands out the budget:
    long prompt is thereby split over several steps (chunked prefill). When the KV cache has no
    block for a running request, the newest running request is preempted: its blocks are freed
    and it goes back to the front of the waiting queue, to be recomputed later.
-2. Then waiting requests, first come first served, while budget, seats and blocks remain. A
-   newly admitted request starts after its longest cached prefix (prefix caching).
+2. Then waiting requests, in the order of the scheduling policy (first come first served by
+   default), while budget, seats and blocks remain. A newly admitted request starts after its
+   longest cached prefix (prefix caching).
+
+Two options change the policy. `scheduling_policy` orders the waiting queue: "fcfs" (arrival
+order), "priority" (lowest `priority` value first, as in vLLM; preemption then takes the lowest
+priority first) or "sjf" (shortest job first: the fewest tokens left to compute and generate).
+`batching_type="static"` turns continuous batching off: a batch is formed only when the previous
+one has completely finished, and nobody joins it on the way (TensorRT-LLM's name for the option).
 
 After the model runs, `update_from_output` appends each sampled token and decides whether the
 request is finished (`check_stop`).
@@ -29,6 +36,9 @@ from minillm.kv_cache_manager import KVCacheManager
 from minillm.metrics import StepTrace
 from minillm.outputs import SampledToken
 from minillm.request import Request, RequestStatus
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")
+BATCHING_TYPES = ("continuous", "static")
 
 
 @dataclass(slots=True)
@@ -65,6 +75,7 @@ class SchedulerOutput:
     step: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_waiting: int = 0  # requests left in the waiting queue once the step was planned
 
     @property
     def num_batched_tokens(self) -> int:
@@ -76,6 +87,7 @@ class SchedulerOutput:
             step=self.step,
             scheduled=[(s.request.request_id, s.num_new_tokens, s.phase) for s in self.scheduled],
             preempted=[r.request_id for r in self.preempted],
+            num_waiting=self.num_waiting,
         )
 
 
@@ -90,7 +102,17 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        scheduling_policy: str = "fcfs",
+        batching_type: str = "continuous",
     ) -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}"
+            )
+        if batching_type not in BATCHING_TYPES:
+            raise ValueError(
+                f"batching_type must be one of {BATCHING_TYPES}, got {batching_type!r}"
+            )
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"without chunked prefill a whole sequence must fit one step: "
@@ -103,11 +125,15 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.clock = clock
+        self.scheduling_policy = scheduling_policy
+        self.batching_type = batching_type
+        # in arrival order, preempted requests in front; the policy orders it (waiting_order)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_steps = 0
         self.num_preemptions = 0
+        self.static_batch: set[str] = set()  # batching_type="static": ids of the current batch
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -129,6 +155,7 @@ class Scheduler:
         # a step that had to preempt has no blocks to spare for new requests
         if not output.preempted:
             self._schedule_waiting(output, token_budget)
+        output.num_waiting = len(self.waiting)
         return output
 
     def _schedule_running(self, output: SchedulerOutput, token_budget: int) -> int:
@@ -136,31 +163,43 @@ class Scheduler:
 
         Returns the budget left over.
         """
-        index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
+        budget = token_budget
+        # running[:len(output.scheduled)] are the requests planned so far, in order
+        while len(output.scheduled) < len(self.running) and token_budget > 0:
+            request = self.running[len(output.scheduled)]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             if not self._allocate_or_preempt(request, num_new_tokens, output):
-                break  # the request preempted itself: nobody newer is left to make room
+                break  # the request preempted itself: nobody of lower rank is left to make room
             output.scheduled.append(ScheduledRequest.plan(request, num_new_tokens))
-            token_budget -= num_new_tokens
-            index += 1
+            # (recounted: a victim planned earlier in this step has given its tokens back)
+            token_budget = budget - output.num_batched_tokens
         return token_budget
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, output: SchedulerOutput
     ) -> bool:
-        """Find blocks for a running request, preempting the newest requests until they fit.
+        """Find blocks for a running request, preempting others until they fit: the newest
+        request first, or under the priority policy the lowest priority first.
 
         Returns False when the request itself had to be preempted.
         """
         while not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
-            victim = self.running.pop()  # preemption: newest request first
+            victim = self._preemption_victim()
+            self.running.remove(victim)
+            # under the priority policy the victim may already be planned for this step
+            output.scheduled = [s for s in output.scheduled if s.request is not victim]
             self._preempt(victim)
             output.preempted.append(victim)
             if victim is request:
                 return False
         return True
+
+    def _preemption_victim(self) -> Request:
+        """vLLM's choice: the newest running request, or under the priority policy the one with
+        the largest (priority, arrival_time), the newest among equals."""
+        if self.scheduling_policy == "priority":
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the request's KV, requeue it at the front.
@@ -175,10 +214,36 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def waiting_order(self) -> list[Request]:
+        """The waiting queue in the order the scheduling policy serves it; ties keep queue order
+        (arrival order, preempted requests first)."""
+        if self.scheduling_policy == "priority":
+            return sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        if self.scheduling_policy == "sjf":
+            return sorted(self.waiting, key=lambda r: remaining_work_tokens(r, self.max_model_len))
+        return list(self.waiting)
+
+    def _admission_order(self) -> list[Request]:
+        """The waiting requests that may be admitted, in order. Static batching admits only the
+        members of the current batch, and forms the next batch once nothing of it is left."""
+        order = self.waiting_order()
+        if self.batching_type == "continuous":
+            return order
+        if not self.running and not any(r.request_id in self.static_batch for r in order):
+            self.static_batch.clear()
+            num_seats = 0
+            for request in order:
+                if num_seats + request.num_seqs > self.max_num_seqs:
+                    break
+                num_seats += request.num_seqs
+                self.static_batch.add(request.request_id)
+        return [r for r in order if r.request_id in self.static_batch]
+
     def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
-        """Admit waiting requests in arrival order while budget, seats and blocks remain."""
-        while self.waiting and token_budget > 0:
-            request = self.waiting[0]
+        """Admit waiting requests in the policy's order while budget, seats and blocks remain."""
+        for request in self._admission_order():
+            if token_budget <= 0:
+                break
             if self.num_running_seqs + request.num_seqs > self.max_num_seqs:
                 break
             # prefix caching: skip the tokens whose KV is already in cached blocks
@@ -188,8 +253,8 @@ class Scheduler:
                 break  # without chunking a prompt runs whole or waits
             num_new_tokens = min(num_new_tokens, token_budget)
             if not self.kv_cache_manager.allocate_slots(request, num_new_tokens, cached_blocks):
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # head-of-line blocking: nobody overtakes the head of the queue
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached_tokens
             request.metrics.record_scheduled(self.clock())
@@ -263,6 +328,19 @@ class Scheduler:
             self.running.remove(request)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+
+
+def remaining_work_tokens(request: Request, max_model_len: int) -> int:
+    """The size of a request's job as the server knows it: tokens still to compute (its prompt,
+    or everything after preemption) plus tokens it may still generate (max_tokens, or up to
+    max_model_len without one). Shortest job first sorts by this upper bound; the real output
+    length is unknown until the request stops."""
+    max_tokens = request.sampling_params.max_tokens
+    max_total_tokens = request.num_prompt_tokens + (
+        max_tokens if max_tokens is not None else max_model_len
+    )
+    num_to_generate = min(max_total_tokens, max_model_len) - request.num_tokens
+    return request.num_tokens - request.num_computed_tokens + num_to_generate
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
