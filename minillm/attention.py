@@ -141,13 +141,22 @@ def paged_decode_attention(
     # slot of every (sequence, position) through the block table: [num_seqs, max_seq_len]
     blocks = block_tables.long().gather(1, clamped // block_size)
     slots = blocks * block_size + clamped % block_size
-    k = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).float()
-    v = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).float()
+    k = gather_slots(kv_cache_layer[0], slots).transpose(1, 2).float()
+    v = gather_slots(kv_cache_layer[1], slots).transpose(1, 2).float()
     valid = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
         q[:, :, None, :].float(), k, v, attn_mask=valid, scale=scale, enable_gqa=True
     )
     return out[:, :, 0, :].to(q.dtype)
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cached vectors at `slots`: cache [num_blocks, block_size, num_kv_heads, head_dim],
+    slots [...] -> [..., num_kv_heads, head_dim]. index_select over flattened rows is several
+    times faster on CPU than advanced indexing with a 2-D index."""
+    rows = cache.view(-1, cache.shape[-2] * cache.shape[-1])
+    picked = rows.index_select(0, slots.flatten())
+    return picked.view(*slots.shape, *cache.shape[-2:])
 
 
 class AttentionBackend(ABC):
