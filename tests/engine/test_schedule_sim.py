@@ -124,3 +124,82 @@ def test_matches_the_engine(model_dir, requests, max_num_seqs, budget, block_siz
     while engine.has_unfinished_requests():
         engine.step()
     assert [t.scheduled for t in engine.stats.trace] == [t.scheduled for t in sim.traces]
+
+
+# ---- arrivals over time, policies and static batching ----
+
+
+def test_late_arrivals_leave_idle_steps_and_record_first_tokens():
+    sim = simulate_schedule([SimRequest(2, 2), SimRequest(3, 1, arrival_step=4)], max_num_seqs=2)
+    assert [t.scheduled for t in sim.traces] == [
+        [("0", 2, "prefill")],
+        [("0", 1, "decode")],
+        [],
+        [],
+        [("1", 3, "prefill")],
+    ]
+    assert sim.first_token_steps == [0, 4]
+    assert sim.finish_steps == [1, 4]
+
+
+def test_the_worked_budget_example():
+    # a 10-token budget and prompts of 3, 5 and 12 tokens arriving together
+    sim = simulate_schedule([(3, 6), (5, 6), (12, 6)], max_num_seqs=4, max_num_batched_tokens=10)
+    assert [[n for _, n, _ in t.scheduled] for t in sim.traces[:4]] == [
+        [3, 5, 2],
+        [1, 1, 8],
+        [1, 1, 2],
+        [1, 1, 1],
+    ]
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(1, 30), st.integers(1, 8), st.integers(0, 5), st.integers(0, 2)),
+        min_size=1,
+        max_size=5,
+    ),
+    policy=st.sampled_from(["fcfs", "priority", "sjf"]),
+    batching=st.sampled_from(["continuous", "static"]),
+    budget=st.sampled_from([8, 2048]),
+)
+def test_policies_and_arrivals_match_the_engine(model_dir, requests, policy, batching, budget):
+    sims = [SimRequest(p, n, a, prio) for p, n, a, prio in requests]
+    sim = simulate_schedule(
+        sims,
+        max_num_seqs=2,
+        max_num_batched_tokens=budget,
+        block_size=4,
+        num_blocks=NUM_BLOCKS,
+        scheduling_policy=policy,
+        batching_type=batching,
+    )
+    engine = LLMEngine(
+        EngineArgs(
+            model=model_dir,
+            device="cpu",
+            max_num_seqs=2,
+            max_num_batched_tokens=budget,
+            block_size=4,
+            max_model_len=64,
+            num_gpu_blocks=NUM_BLOCKS,
+            enable_prefix_caching=False,
+            scheduling_policy=policy,
+            batching_type=batching,
+        )
+    )
+    pending = sorted(range(len(sims)), key=lambda i: sims[i].arrival_step)
+    while pending or engine.has_unfinished_requests():
+        while pending and sims[pending[0]].arrival_step <= engine.stats.num_steps:
+            i = pending.pop(0)
+            params = SamplingParams(
+                temperature=0.0, max_tokens=sims[i].num_output_tokens, ignore_eos=True
+            )
+            prompt = [3 + (i + j) % 200 for j in range(sims[i].num_prompt_tokens)]
+            priority = sims[i].priority if policy == "priority" else 0
+            engine.add_request(
+                str(i), prompt, params, arrival_time=float(sims[i].arrival_step), priority=priority
+            )
+        engine.step()
+    assert [t.scheduled for t in engine.stats.trace] == [t.scheduled for t in sim.traces]
