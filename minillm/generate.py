@@ -1,8 +1,11 @@
 """The `minillm generate` command: complete prompts from the command line.
 
     minillm generate "def fib(n):" --max-tokens 48 --temperature 0
-    minillm generate "import os" "class Tree:" --model path/to/hf-dir --metrics
-    minillm generate "Once upon" --stream
+    minillm generate "import os" "class Tree:" --model path/to/hf-dir
+
+One prompt is streamed to the terminal as its tokens arrive; several prompts run as one
+continuous batch and print when done. Every completion ends with a timing line on stderr:
+time to first token, output tokens per second, and time per output token.
 
 The engine is imported inside the handler, so `minillm --help` stays fast.
 """
@@ -26,9 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--n", type=int, default=1, help="completions per prompt")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    parser.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     parser.add_argument(
-        "--metrics", action="store_true", help="print TTFT, TPOT and E2EL of each prompt"
+        "--no-stream", action="store_true", help="print a single prompt's text only when done"
     )
     parser.set_defaults(func=_run)
 
@@ -48,35 +50,38 @@ def _run(args: argparse.Namespace) -> int:
             stop=args.stop,
         )
         llm = LLM(args.model, device=args.device, dtype=args.dtype)
-        if args.stream:
-            return _stream(llm, args.prompts, params)
-        outputs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
+        if len(args.prompts) == 1 and args.n == 1 and not args.no_stream:
+            outputs = [_stream(llm, args.prompts[0], params)]
+        else:
+            outputs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
+            for output in outputs:
+                for completion in output.outputs:
+                    print(f"{output.prompt}{completion.text}\n")
     except (ValueError, FileNotFoundError) as err:
         print(f"minillm generate: {err}", file=sys.stderr)
         return 2
     for output in outputs:
-        for completion in output.outputs:
-            print(f"{output.prompt}{completion.text}")
-            print()
-        if args.metrics:
-            _print_metrics(output)
+        _print_metrics(output)
     return 0
 
 
-def _stream(llm, prompts: list[str], params) -> int:
-    for prompt in prompts:
-        print(prompt, end="", flush=True)
-        for output in llm.stream(prompt, params):
-            print(output.outputs[0].delta_text, end="", flush=True)
-        print()
-    return 0
+def _stream(llm, prompt: str, params):
+    """Print the prompt, then each new piece of text as the engine produces it."""
+    print(prompt, end="", flush=True)
+    output = None
+    for output in llm.stream(prompt, params):
+        print(output.outputs[0].delta_text, end="", flush=True)
+    print()
+    return output
 
 
 def _print_metrics(output) -> None:
+    """The timing line: TTFT, output tokens/s over the whole request, and TPOT."""
     m = output.metrics
-    tpot = "n/a" if m.tpot_s is None else f"{m.tpot_s * 1e3:.1f} ms"
+    tokens_per_s = m.num_output_tokens / m.e2el_s if m.e2el_s > 0 else float("inf")
+    tpot = "" if m.tpot_s is None else f", TPOT {m.tpot_s * 1e3:.1f} ms"
     print(
-        f"[{output.request_id}] TTFT {m.ttft_s * 1e3:.1f} ms, TPOT {tpot}, "
-        f"E2EL {m.e2el_s * 1e3:.1f} ms, {m.num_output_tokens} tokens",
+        f"[{m.num_output_tokens} tokens in {m.e2el_s:.2f} s: TTFT {m.ttft_s * 1e3:.1f} ms, "
+        f"{tokens_per_s:.1f} tokens/s{tpot}]",
         file=sys.stderr,
     )

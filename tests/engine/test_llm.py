@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from tiny_llama import build_tiny_llama, greedy_reference
 
@@ -133,10 +135,23 @@ def test_engine_args_size_the_kv_cache(model_dir):
 
 
 def test_generate_command(model_dir, capsys):
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    [expected] = LLM(str(model_dir)).generate(["the quick"], greedy, use_tqdm=False)
+    # one prompt streams: the printed text is the prompt and the greedy completion
     status = main(["generate", "the quick", "--model", str(model_dir), "--max-tokens", "4"])
     assert status == 0
-    out = capsys.readouterr().out
-    assert out.startswith("the quick")
+    captured = capsys.readouterr()
+    assert captured.out == "the quick" + expected.outputs[0].text + "\n"
+    assert re.fullmatch(
+        r"\[4 tokens in [\d.]+ s: TTFT [\d.]+ ms, [\d.]+ tokens/s, TPOT [\d.]+ ms\]\n",
+        captured.err,
+    )
+    # several prompts run as one batch, each with its own timing line
+    status = main(["generate", "the quick", "def", "--model", str(model_dir), "--max-tokens", "3"])
+    assert status == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("the quick") and "\ndef" in captured.out
+    assert captured.err.count("tokens/s") == 2
     status = main(["generate", "", "--model", str(model_dir)])
     assert status == 2
     assert "empty" in capsys.readouterr().err
