@@ -25,3 +25,25 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+# Attention sums softmax-weighted values: on a GPU the probabilities enter the second dot in
+# the input dtype (one more rounding per term); under the interpreter every dot is float32.
+ATTENTION_TOLERANCE = {
+    torch.float32: 2e-5,
+    torch.float16: 2e-3 if INTERPRETED else 1e-2,
+    torch.bfloat16: 3e-2 if INTERPRETED else 6e-2,
+}
+
+
+def random_block_tables(
+    num_seqs: int, max_num_blocks: int, num_blocks: int, gen: torch.Generator
+) -> torch.Tensor:
+    """[num_seqs, max_num_blocks] int32: each sequence's blocks, distinct and shuffled (so that
+    logical and physical order differ), drawn from a pool of num_blocks."""
+    rows = [torch.randperm(num_blocks, generator=gen)[:max_num_blocks] for _ in range(num_seqs)]
+    return (
+        torch.stack(rows).to(torch.int32)
+        if rows
+        else torch.zeros(0, max_num_blocks, dtype=torch.int32)
+    )
