@@ -273,8 +273,8 @@ def flash_attention_reference(
     block_tables: torch.Tensor | None = None,
     prefix_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The oracle: per sequence, gather the prefix's keys and values block by block, append
-    the new ones, and take a masked softmax over the full float64 score matrix."""
+    """The oracle: per sequence, look up each prefix token's block and offset, append the
+    new keys and values, and take a masked softmax over the full float64 score matrix."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     out = torch.zeros_like(q)
     bounds = cu_seqlens.tolist()
@@ -284,11 +284,9 @@ def flash_attention_reference(
         prefix_len = 0 if prefix_lens is None else int(prefix_lens[b])
         if prefix_len:
             block_size = kv_cache.shape[2]
-            pieces = [
-                kv_cache[:, int(block_tables[b, t // block_size]), t % block_size]
-                for t in range(prefix_len)
-            ]
-            prefix = torch.stack(pieces, dim=1).double()  # [2, prefix_len, kv_heads, d]
+            token = torch.arange(prefix_len, device=q.device)
+            block = block_tables[b].long()[token // block_size]
+            prefix = kv_cache[:, block, token % block_size].double()  # [2, prefix, kv_heads, d]
             keys, values = torch.cat((prefix[0], keys)), torch.cat((prefix[1], values))
         group = num_heads // num_kv_heads
         keys = keys.repeat_interleave(group, dim=1)
