@@ -1,0 +1,335 @@
+"""Weight-only quantized matmul: W8A16 per output channel, W4A16 group-wise.
+
+Math. A linear layer computes y = x W^T with x: [M, K] activations and W: [N, K] weights.
+Weight-only quantization stores W as small integers q and float scales s, and keeps x in
+16 bits ("W8A16", "W4A16"):
+
+- W8A16, per output channel: s_n = max_k |W[n, k]| / 127, q = round(W / s_n) in [-127, 127]
+  (int8). y[m, n] = s_n * sum_k x[m, k] q[n, k]: the scale factors out of the sum, so it is
+  applied once, after the K loop.
+- W4A16, group-wise (group_size = 128 by default, as in GPTQ and AWQ): every run of
+  group_size weights along K in a row has its own scale s_{n,g} = max |W| / 7 and
+  q = round(W / s) in [-8, 7]; two 4-bit values share a byte (`pack_int4`). y[m, n] =
+  sum_g s_{n,g} sum_{k in g} x[m, k] q[n, k]: each K tile is one group, so its partial dot
+  is scaled as it is added.
+
+Symmetric quantization (zero maps to zero, no zero point). The rounding error is at most
+s / 2 per weight. Dequantization happens inside the GEMM: integer weights are loaded and
+converted to x's dtype in registers (exact: |q| <= 127 fits float16 and bfloat16), so the
+weight bytes that cross the memory bus are the quantized ones, 1 or 1/2 byte per weight.
+At batch 1 a matmul reads every weight once and does 2 FLOPs per weight: it is bound by
+memory bandwidth, and moving 4x fewer bytes than bfloat16 is the whole point of W4A16.
+
+Tiling: one program per [BLOCK_M, BLOCK_N] output tile walks K in BLOCK_K steps (W4:
+BLOCK_K = group_size), accumulating in float32. For W4 the packed tile [BLOCK_K / 2,
+BLOCK_N] is unpacked into its low nibbles (even k) and high nibbles (odd k), each dotted
+with the matching even or odd columns of x. Under the interpreter the dots are float32.
+
+Cost per call: FLOPs quant_matmul_flops() = 2 M N K; bytes moved quant_matmul_bytes():
+x read and y written, (M K + M N) * itemsize, plus the quantized weights (N K or N K / 2
+bytes) and their scales, each read once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import INTERPRETED
+from kernels.checks import (
+    check_contiguous,
+    check_device,
+    check_dtype,
+    check_same_device,
+    check_shape,
+)
+
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DEFAULT_GROUP_SIZE = 128
+W8_MAX, W4_MIN, W4_MAX = 127, -8, 7
+
+
+# --- quantization and packing (plain PyTorch, run once per weight) ---
+
+
+def quantize_w8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight: [N, K] float -> (qweight [N, K] int8, scales [N] in weight's dtype)."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / W8_MAX).to(weight.dtype)
+    divisor = torch.where(scales == 0, 1.0, scales.float())  # an all-zero row stays zero
+    qweight = (w / divisor[:, None]).round().clamp(-W8_MAX, W8_MAX).to(torch.int8)
+    return qweight, scales
+
+
+def quantize_w4(
+    weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight: [N, K] float, K a multiple of group_size -> (packed [N, K / 2] uint8,
+    scales [N, K / group_size] in weight's dtype)."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"weight's K ({k}) must be a multiple of group_size ({group_size})")
+    groups = weight.float().view(n, k // group_size, group_size)
+    scales = (groups.abs().amax(dim=2) / W4_MAX).to(weight.dtype)
+    divisor = torch.where(scales == 0, 1.0, scales.float())
+    q = (groups / divisor[..., None]).round().clamp(W4_MIN, W4_MAX).to(torch.int8)
+    return pack_int4(q.view(n, k)), scales
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q: [N, K] int8 in [-8, 7], K even -> [N, K / 2] uint8: byte i holds q[:, 2i] + 8 in its
+    low nibble and q[:, 2i + 1] + 8 in its high nibble."""
+    if q.dtype != torch.int8 or q.dim() != 2 or q.shape[1] % 2:
+        raise ValueError(f"q must be int8 of shape [N, even K], got {q.dtype} {list(q.shape)}")
+    if q.numel() and not (W4_MIN <= int(q.min()) and int(q.max()) <= W4_MAX):
+        raise ValueError(f"int4 values must lie in [{W4_MIN}, {W4_MAX}]")
+    biased = (q.to(torch.int16) - W4_MIN).to(torch.uint8)  # 0 .. 15
+    return biased[:, 0::2] | (biased[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int4`: [N, K / 2] uint8 -> [N, K] int8."""
+    low = (packed & 0xF).to(torch.int8) + W4_MIN
+    high = (packed >> 4).to(torch.int8) + W4_MIN
+    return torch.stack((low, high), dim=-1).flatten(1)
+
+
+def dequantize_w8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8, [N] -> [N, K] float32."""
+    return qweight.float() * scales.float()[:, None]
+
+
+def dequantize_w4(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K / 2] uint8, [N, K / group_size] -> [N, K] float32."""
+    q = unpack_int4(packed).float()
+    return q * scales.float().repeat_interleave(group_size, dim=1)
+
+
+# --- the kernels ---
+
+
+@triton.jit
+def _w8a16_kernel(
+    x_ptr,
+    w_ptr,
+    scales_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < M, cols < N
+    dot_dtype = tl.float32 if DOT_FP32 else x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(
+            x_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(  # [BLOCK_K, BLOCK_N] int8: W^T's tile
+            w_ptr + cols.to(tl.int64)[None, :] * K + ks[:, None],
+            mask=k_mask[:, None] & col_mask[None, :],
+            other=0,
+        )
+        acc += tl.dot(x.to(dot_dtype), w.to(dot_dtype), input_precision="ieee")
+    # per output channel: the scale factors out of the K sum
+    scales = tl.load(scales_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    out = acc * scales[None, :]
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr,
+    packed_ptr,
+    scales_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    DOT_FP32: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < M, cols < N
+    dot_dtype = tl.float32 if DOT_FP32 else x_ptr.dtype.element_ty
+    pairs = tl.arange(0, GROUP_SIZE // 2)  # byte i of a group: k = 2i (low), 2i + 1 (high)
+    num_groups = K // GROUP_SIZE
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for group in range(0, num_groups):
+        k_even = group * GROUP_SIZE + 2 * pairs
+        x_mask = row_mask[:, None]
+        x_even = tl.load(x_rows + k_even[None, :], mask=x_mask, other=0.0).to(dot_dtype)
+        x_odd = tl.load(x_rows + k_even[None, :] + 1, mask=x_mask, other=0.0).to(dot_dtype)
+        packed = tl.load(  # [GROUP_SIZE / 2, BLOCK_N] uint8
+            packed_ptr + cols.to(tl.int64)[None, :] * (K // 2) + (k_even // 2)[:, None],
+            mask=col_mask[None, :],
+            other=0,
+        )
+        w_even = ((packed & 0xF).to(tl.float32) - 8.0).to(dot_dtype)
+        w_odd = ((packed >> 4).to(tl.float32) - 8.0).to(dot_dtype)
+        part = tl.dot(x_even, w_even, input_precision="ieee")
+        part = tl.dot(x_odd, w_odd, part, input_precision="ieee")
+        scales = tl.load(scales_ptr + cols * num_groups + group, mask=col_mask, other=0.0)
+        acc += part * scales.to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+def _check_matmul_inputs(
+    x: torch.Tensor,
+    weight_name: str,
+    weight: torch.Tensor,
+    weight_dtype: torch.dtype,
+    weight_columns: int,
+    scales: torch.Tensor,
+    scales_columns: int | None,
+) -> None:
+    """x: [M, K]; weight: [N, weight_columns] of weight_dtype; scales: [N] (scales_columns
+    None) or [N, scales_columns] in x's dtype; all contiguous, on x's device."""
+    check_dtype(weight_name, weight, (weight_dtype,))
+    check_shape(weight_name, weight, (None, weight_columns))
+    n = weight.shape[0]
+    check_shape("scales", scales, (n,) if scales_columns is None else (n, scales_columns))
+    check_dtype("scales", scales, (x.dtype,))
+    for name, t in (("x", x), (weight_name, weight), ("scales", scales)):
+        check_same_device(name, t, x)
+        check_contiguous(name, t)
+
+
+def _check_activations(x: torch.Tensor) -> None:
+    check_dtype("x", x, ACTIVATION_DTYPES)
+    check_device("x", x)
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape [M, K], got {list(x.shape)}")
+
+
+def _block_sizes(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): thin tiles for decode-sized M, where the
+    weights dominate and many programs must stream them; square ones for prefill."""
+    if INTERPRETED:
+        return 16, 32, 4, 1
+    if m <= 16:
+        return 16, 32, 4, 4
+    if m <= 64:
+        return 64, 64, 4, 3
+    return 128, 128, 8, 3
+
+
+def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x: [M, K] float16/bfloat16 (float32 for testing); qweight: [N, K] int8; scales: [N] in
+    x's dtype -> y = x (qweight * scales)^T: [M, N] in x's dtype."""
+    _check_activations(x)
+    m, k = x.shape
+    _check_matmul_inputs(x, "qweight", qweight, torch.int8, k, scales, None)
+    n = qweight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out.zero_()
+    block_m, block_n, num_warps, num_stages = _block_sizes(m)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w8a16_kernel[grid](
+        x,
+        qweight,
+        scales,
+        out,
+        m,
+        n,
+        k,
+        DOT_FP32=INTERPRETED or x.dtype == torch.float32,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=64 if INTERPRETED else 128,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def w4a16_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> torch.Tensor:
+    """x: [M, K] float16/bfloat16 (float32 for testing); packed: [N, K / 2] uint8 from
+    `quantize_w4`; scales: [N, K / group_size] in x's dtype; group_size: a power of two,
+    32 to 256 -> [M, N] in x's dtype."""
+    _check_activations(x)
+    m, k = x.shape
+    if group_size not in (32, 64, 128, 256):
+        raise ValueError(f"group_size must be 32, 64, 128 or 256, got {group_size}")
+    if k % group_size:
+        raise ValueError(f"x's K ({k}) must be a multiple of group_size ({group_size})")
+    _check_matmul_inputs(x, "packed", packed, torch.uint8, k // 2, scales, k // group_size)
+    n = packed.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out.zero_()
+    block_m, block_n, num_warps, num_stages = _block_sizes(m)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w4a16_kernel[grid](
+        x,
+        packed,
+        scales,
+        out,
+        m,
+        n,
+        k,
+        DOT_FP32=INTERPRETED or x.dtype == torch.float32,
+        GROUP_SIZE=group_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+def w8a16_matmul_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """The oracle and the PyTorch baseline's recipe: dequantize, then matmul (float64)."""
+    return (x.double() @ dequantize_w8(qweight, scales).double().T).to(x.dtype)
+
+
+def w4a16_matmul_reference(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The oracle: unpack, dequantize, then matmul (float64)."""
+    return (x.double() @ dequantize_w4(packed, scales, group_size).double().T).to(x.dtype)
+
+
+def quant_matmul_flops(m: int, n: int, k: int) -> int:
+    """FLOPs one call does: a multiply and an add per (m, n, k)."""
+    return 2 * m * n * k
+
+
+def quant_matmul_bytes(
+    m: int, n: int, k: int, itemsize: int, weight_bits: int, group_size: int | None
+) -> int:
+    """Bytes one call moves: x in, y out, the quantized weights and their scales once
+    (group_size None: one scale per output channel)."""
+    num_scales = n if group_size is None else n * (k // group_size)
+    return (m * k + m * n + num_scales) * itemsize + n * k * weight_bits // 8
