@@ -199,6 +199,7 @@ class TorchAttentionBackend(AttentionBackend):
 # (Triton, for instance) are needed only by those who select it.
 ATTENTION_BACKENDS: dict[str, str] = {
     "torch": "minillm.attention:TorchAttentionBackend",
+    "triton": "kernels.attention_backend:TritonAttentionBackend",
 }
 
 

@@ -8,9 +8,14 @@ model never knows how the batch was formed. `forward_causal` is the textbook
 
 Parameter names match Hugging Face's, so a `transformers` checkpoint loads with
 `load_state_dict` and our state_dict saves as one.
+
+With the "triton" attention backend, RMSNorm and RoPE run as Triton kernels too
+(`kernels.rmsnorm`, `kernels.rope`); with any other backend, as the PyTorch code below.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,16 +25,36 @@ from minillm.attention import AttentionMetadata, get_attention_backend
 from minillm.config import ModelConfig
 from minillm.rope import RotaryEmbedding, apply_rope
 
+# backends whose model runs the RMSNorm and RoPE Triton kernels of `kernels/`
+KERNEL_BACKENDS = frozenset({"triton"})
+
+# (q, k) -> (q, k) rotated by the positions of the batch in flight
+Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich, 2019), computed in float32."""
+    """y = x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich, 2019), computed in float32.
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    With `residual`, returns (norm(x + residual), x + residual): a pre-norm block's residual
+    add fused into the norm. `use_kernel` runs `kernels.rmsnorm.rms_norm` instead.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, use_kernel: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.use_kernel = use_kernel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_kernel:
+            from kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self(x), x
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -40,6 +65,7 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, backend_name: str) -> None:
         super().__init__()
+        use_kernels = backend_name in KERNEL_BACKENDS
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -54,16 +80,15 @@ class LlamaAttention(nn.Module):
         o_bias = bias and config.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_kernels)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_kernels)
         self.qk_norm = config.qk_norm
         self.backend = get_attention_backend(backend_name)
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         kv_cache_layer: torch.Tensor | None,
         meta: AttentionMetadata | None,
     ) -> torch.Tensor:
@@ -74,7 +99,7 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope(q, k)
         if meta is None:
             out = causal_attention(q, k, v, self.scale)
         else:
@@ -115,21 +140,25 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, backend_name: str) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        use_kernels = backend_name in KERNEL_BACKENDS
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_kernels)
         self.self_attn = LlamaAttention(config, backend_name)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, use_kernels
+        )
         self.mlp = LlamaMLP(config)
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         kv_cache_layer: torch.Tensor | None,
         meta: AttentionMetadata | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache_layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn_out = self.self_attn(self.input_layernorm(x), rope, kv_cache_layer, meta)
+        # x + attn_out and its norm in one call (one kernel with the triton backend)
+        h, x = self.post_attention_layernorm(attn_out, residual=x)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -141,8 +170,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, backend_name) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.use_kernels = backend_name in KERNEL_BACKENDS
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.use_kernels)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.config = config
+        self.cos_sin_cache: torch.Tensor | None = None  # the RoPE kernel's table, made on use
 
     def forward(
         self,
@@ -152,10 +184,31 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata | None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, x.dtype)
+        rope = self.make_rope(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, None if kv_caches is None else kv_caches[i], meta)
+            x = layer(x, rope, None if kv_caches is None else kv_caches[i], meta)
         return self.norm(x)
+
+    def make_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rotation every layer applies to its q and k at this batch's positions."""
+        if self.use_kernels:
+            from kernels.rope import apply_rope as rope_kernel
+            from kernels.rope import rope_cos_sin_cache
+
+            if self.cos_sin_cache is None or self.cos_sin_cache.device != positions.device:
+                # float32 and outside the state_dict, like RotaryEmbedding's frequencies
+                config = self.config
+                self.cos_sin_cache = rope_cos_sin_cache(
+                    config.head_dim,
+                    config.rope_theta,
+                    config.rope_scaling,
+                    config.max_position_embeddings,
+                    positions.device,
+                )
+            cache = self.cos_sin_cache
+            return lambda q, k: rope_kernel(q, k, positions, cache)
+        cos, sin = self.rotary_emb(positions, dtype)
+        return lambda q, k: (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -164,6 +217,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attention_backend: str = "torch") -> None:
         super().__init__()
         self.config = config
+        self.attention_backend = attention_backend
         self.model = LlamaModel(config, attention_backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -1,0 +1,127 @@
+"""The "triton" attention backend against the engine's reference backend, and the engine's
+greedy outputs with either backend on a tiny model (under the interpreter without CUDA)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_testing import ATTENTION_TOLERANCE, DEVICE, DTYPES, assert_close
+from tiny_llama import build_tiny_llama
+
+from kernels.attention_backend import TritonAttentionBackend
+from minillm.attention import AttentionMetadata, get_attention_backend, torch_paged_attention
+from minillm.engine import EngineArgs, LLMEngine
+from minillm.sampling_params import SamplingParams
+
+
+def make_batch(chunks, block_size, num_kv_heads, group, head_dim, dtype, seed):
+    """chunks: (num_computed_tokens, num_new_tokens) per sequence -> (q, k, v, kv_cache,
+    meta) with the computed tokens already in a cache of shuffled blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    max_num_blocks = max(-(-(c + n) // block_size) for c, n in chunks)
+    num_blocks = len(chunks) * max_num_blocks + 1
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [order[i * max_num_blocks : (i + 1) * max_num_blocks] for i in range(len(chunks))]
+    slots, query_start_loc = [], [0]
+    for (computed, new), table in zip(chunks, tables, strict=True):
+        positions = range(computed, computed + new)
+        slots += [table[p // block_size] * block_size + p % block_size for p in positions]
+        query_start_loc.append(query_start_loc[-1] + new)
+    num_tokens = query_start_loc[-1]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    q = randn(num_tokens, num_kv_heads * group, head_dim)
+    k, v = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
+    kv_cache = randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+    meta = AttentionMetadata(
+        slot_mapping=tensor(slots, torch.int64),
+        query_start_loc=tensor(query_start_loc, torch.int32),
+        seq_lens=tensor([c + n for c, n in chunks], torch.int32),
+        block_tables=tensor(tables, torch.int32),
+        max_query_len=max(n for _, n in chunks),
+        max_seq_len=max(c + n for c, n in chunks),
+        block_size=block_size,
+    )
+    return q, k, v, kv_cache, meta
+
+
+@settings(max_examples=10)
+@given(
+    chunks=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 20)), min_size=1, max_size=3),
+    decode_only=st.booleans(),
+    group=st.sampled_from([1, 2, 4]),
+    block_size=st.sampled_from([8, 16]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_backend_matches_the_torch_backend(
+    chunks, decode_only, group, block_size, dtype, seed
+):
+    if decode_only:  # every sequence brings one token after its context
+        chunks = [(computed, 1) for computed, _ in chunks]
+    q, k, v, kv_cache, meta = make_batch(chunks, block_size, 2, group, 32, dtype, seed)
+    reference_cache = kv_cache.clone()
+    out = TritonAttentionBackend().forward(q, k, v, kv_cache, meta, 0.2)
+    expected = get_attention_backend("torch").forward(q, k, v, reference_cache, meta, 0.2)
+    assert torch.equal(kv_cache, reference_cache)  # the same slots were written
+    assert_close(out, expected, ATTENTION_TOLERANCE[dtype])
+
+
+def test_decode_batch_with_a_missing_token_is_rejected():
+    q, k, v, kv_cache, meta = make_batch([(5, 1), (3, 1)], 8, 1, 2, 32, torch.float32, 0)
+    with pytest.raises(ValueError, match="one token per sequence: 1 tokens for 2 sequences"):
+        TritonAttentionBackend().forward(q[:1], k[:1], v[:1], kv_cache, meta, 0.2)
+
+
+def test_mixed_batch_through_the_flash_kernel_equals_reference():
+    # a decode token, a chunk after a cached prefix, and a fresh prompt in one flat batch
+    q, k, v, kv_cache, meta = make_batch([(30, 1), (17, 9), (0, 12)], 8, 2, 2, 64, torch.float32, 1)
+    out = TritonAttentionBackend().forward(q, k, v, kv_cache, meta, 0.125)
+    torch.testing.assert_close(
+        out, torch_paged_attention(q, kv_cache, meta, 0.125), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def generate(model_dir, attention_backend, prompts, **engine_kwargs):
+    engine = LLMEngine(
+        EngineArgs(
+            model=model_dir,
+            device=DEVICE,
+            attention_backend=attention_backend,
+            max_model_len=128,
+            **engine_kwargs,
+        )
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output.outputs[0].token_ids
+    return [outputs[str(i)] for i in range(len(prompts))], engine.stats
+
+
+def test_greedy_outputs_are_identical_with_either_backend(model_dir):
+    shared = list(range(40, 60))
+    # several blocks, one token, a shared prefix (a prefix-cache hit for the second), and
+    # chunked prefill (a 16-token budget splits the 33-token prompt)
+    prompts = [list(range(2, 9)), [5], list(range(100, 133)), shared + [7, 8], shared + [9]]
+    kwargs = dict(max_num_batched_tokens=16, block_size=8)
+    torch_outputs, _ = generate(model_dir, "torch", prompts, **kwargs)
+    triton_outputs, stats = generate(model_dir, "triton", prompts, **kwargs)
+    assert triton_outputs == torch_outputs
+    assert all(len(tokens) == 6 for tokens in triton_outputs)
+    assert stats.prefix_cache_hits > 0
