@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minillm.config import ModelConfig
+from minillm.cuda_graphs import CUDA_GRAPH_BACKENDS, CUDAGraphConfig
 from minillm.kv_cache_manager import KVCacheManager
 from minillm.loader import DEFAULT_MODEL, load_model
 from minillm.metrics import EngineStats
@@ -55,7 +56,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     num_gpu_blocks: int | None = None  # KV-cache pool size in blocks ...
     kv_cache_memory_bytes: int | None = None  # ... or as a memory budget; default: see num_blocks
-    attention_backend: str = "torch"
+    attention_backend: str | None = None  # None: "triton" on CUDA, "torch" on the CPU
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     seed: int = 0  # seeds the generator that rows without their own seed share
     scheduling_policy: str = "fcfs"  # the waiting queue's order: "fcfs", "priority" or "sjf"
     batching_type: str = "continuous"  # or "static": a new batch only when the last one is done
@@ -147,7 +149,9 @@ class LLMEngine:
     ) -> None:
         args = engine_args
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = load_model(args.model, args.dtype, device, args.attention_backend)
+        on_cuda = torch.device(device).type == "cuda"
+        backend = args.attention_backend or ("triton" if on_cuda else "torch")
+        loaded = load_model(args.model, args.dtype, device, backend)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
@@ -170,7 +174,14 @@ class LLMEngine:
             batching_type=args.batching_type,
         )
         sampler = Sampler(torch.Generator(self.device).manual_seed(args.seed))
-        self.model_runner = ModelRunner(loaded.model, self.kv_cache_manager, sampler)
+        # decode steps replay CUDA graphs unless told not to or the backend cannot be captured
+        use_graphs = on_cuda and not args.enforce_eager and backend in CUDA_GRAPH_BACKENDS
+        self.model_runner = ModelRunner(
+            loaded.model,
+            self.kv_cache_manager,
+            sampler,
+            CUDAGraphConfig(args.max_num_seqs, self.max_model_len) if use_graphs else None,
+        )
         self.stats = EngineStats()
         self.groups: dict[str, RequestGroup] = {}  # unfinished prompts by request id
         self.group_of_seq: dict[str, RequestGroup] = {}  # the same, by their sequences' ids

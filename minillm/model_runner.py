@@ -7,7 +7,7 @@ and samples from the hidden state of the last token of every request whose step 
 
 It also owns the KV cache itself: one tensor per layer,
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`, whose blocks the KV-cache manager hands
-out by id.
+out by id. On a GPU, decode-only steps can replay CUDA graphs (`minillm.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from minillm.attention import AttentionMetadata
 from minillm.config import ModelConfig
+from minillm.cuda_graphs import CUDAGraphConfig, CUDAGraphRunner
 from minillm.kv_cache_manager import KVCacheManager
 from minillm.model import LlamaForCausalLM
 from minillm.outputs import SampledToken
@@ -107,7 +108,11 @@ class ModelRunner:
     """Runs the model and the sampler on the batches the scheduler plans."""
 
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache_manager: KVCacheManager, sampler: Sampler
+        self,
+        model: LlamaForCausalLM,
+        kv_cache_manager: KVCacheManager,
+        sampler: Sampler,
+        cuda_graphs: CUDAGraphConfig | None = None,
     ) -> None:
         self.model = model
         self.kv_cache_manager = kv_cache_manager
@@ -122,6 +127,11 @@ class ModelRunner:
             weight.dtype,
             self.device,
         )
+        self.cuda_graph_runner = (
+            None
+            if cuda_graphs is None
+            else CUDAGraphRunner(model, self.kv_caches, self.block_size, cuda_graphs)
+        )
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
@@ -133,11 +143,17 @@ class ModelRunner:
             self.kv_cache_manager.get_block_ids(chunk.request.request_id) for chunk in scheduled
         ]
         model_input = prepare_inputs(scheduled, block_tables, self.block_size, self.device)
-        hidden = self.model(
-            model_input.input_ids, model_input.positions, self.kv_caches, model_input.meta
-        )
+        hidden = self.forward(model_input)
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
         return self.sample(logits, [chunk.request for chunk in scheduled if chunk.samples])
+
+    def forward(self, model_input: ModelInput) -> torch.Tensor:
+        """Hidden states of the batch: a CUDA graph replay for a decode step when captured."""
+        ids, positions, meta = model_input.input_ids, model_input.positions, model_input.meta
+        graphs = self.cuda_graph_runner
+        if graphs is not None and graphs.can_run(ids, meta):
+            return graphs.run(ids, positions, meta)
+        return self.model(ids, positions, self.kv_caches, meta)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: give each (src, dst) block pair the same keys and values, every layer.
