@@ -226,6 +226,26 @@ DEVICES: types.MappingProxyType[str, DeviceSpec] = types.MappingProxyType(
                 source_date="2019-03",
             ),
             DeviceSpec(
+                # GeForce (Ada): the tensor-core figures with FP32 accumulation, which the
+                # kernels use; float16 with FP16 accumulation runs twice as fast.
+                name="RTX 4090",
+                peak_flops_per_s=_rates(
+                    float32=82.6, tf32=82.6, bfloat16=165.2, float16=165.2, fp8=330.3, int8=660.6
+                ),
+                sparse_flops_per_s=_rates(
+                    tf32=165.2, bfloat16=330.4, float16=330.4, fp8=660.6, int8=1321.2
+                ),
+                memory_bandwidth_bytes_per_s=1008 * GB,
+                memory_bytes=24 * GB,
+                memory_type="GDDR6X",
+                num_compute_units=128,
+                compute_unit="SM",
+                source="NVIDIA Ada GPU Architecture whitepaper (GeForce RTX 4090 column), "
+                "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/"
+                "nvidia-ada-gpu-architecture.pdf",
+                source_date="2022-09",
+            ),
+            DeviceSpec(
                 name="MI300X",
                 peak_flops_per_s=_rates(
                     float32=163.4,
