@@ -47,6 +47,7 @@ from kernels.checks import (
     check_same_device,
     check_shape,
 )
+from kernels.device import fit_num_stages
 
 MAX_HEAD_DIM = 256
 
@@ -104,7 +105,9 @@ def _flash_attention_kernel(
     dim_mask = dims < HEAD_DIM
     row_mask = rows < q_len
     q_offsets = ((q_start + rows).to(tl.int64) * num_heads + head)[:, None] * HEAD_DIM
-    q = tl.load(q_ptr + q_offsets + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :])
+    q = tl.load(
+        q_ptr + q_offsets + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0
+    )
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -127,10 +130,13 @@ def _flash_attention_kernel(
             slot = block * CACHE_BLOCK_SIZE + keys % CACHE_BLOCK_SIZE
             kv_offsets = (slot * num_kv_heads + kv_head) * HEAD_DIM
             load_mask = key_mask[None, :] & dim_mask[:, None]
-            k_t = tl.load(kv_cache_ptr + kv_offsets[None, :] + dims[:, None], mask=load_mask)
+            k_t = tl.load(
+                kv_cache_ptr + kv_offsets[None, :] + dims[:, None], mask=load_mask, other=0.0
+            )
             v = tl.load(
                 kv_cache_ptr + cache_value_offset + kv_offsets[:, None] + dims[None, :],
                 mask=key_mask[:, None] & dim_mask[None, :],
+                other=0.0,
             )
             m_i, l_i, acc = _attend_tile(
                 q, k_t, v, key_mask[None, :], m_i, l_i, acc, scale_log2e, DOT_FP32
@@ -144,10 +150,12 @@ def _flash_attention_kernel(
         k_t = tl.load(
             k_ptr + kv_offsets[None, :] + dims[:, None],
             mask=key_mask[None, :] & dim_mask[:, None],
+            other=0.0,
         )
         v = tl.load(
             v_ptr + kv_offsets[:, None] + dims[None, :],
             mask=key_mask[:, None] & dim_mask[None, :],
+            other=0.0,
         )
         causal = (keys[None, :] <= rows[:, None]) & key_mask[None, :]
         m_i, l_i, acc = _attend_tile(q, k_t, v, causal, m_i, l_i, acc, scale_log2e, DOT_FP32)
@@ -160,16 +168,20 @@ def _flash_attention_kernel(
     )
 
 
-def _block_sizes(head_dim: int) -> tuple[int, int, int, int]:
+def _launch_config(head_dim: int, itemsize: int, device: torch.device) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Under the interpreter each program step is
-    a NumPy call, so fewer, larger tiles are faster; 32 keeps test shapes multi-tile."""
+    a NumPy call, so fewer, larger tiles are faster; 32 keeps test shapes multi-tile. On a
+    GPU: the largest tiles whose q tile, score tile and pipelined K/V tiles fit in shared
+    memory."""
     if INTERPRETED:
         return 32, 32, 4, 1
-    if head_dim <= 64:
-        return 128, 64, 4, 3
-    if head_dim <= 128:
-        return 128, 64, 8, 2
-    return 64, 32, 8, 2
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    for block_m, block_n in ((128, 64), (64, 64), (64, 32), (32, 32)):
+        fixed = (block_m * block_d + block_m * block_n) * itemsize
+        stages = fit_num_stages(fixed, 2 * block_n * block_d * itemsize, 3, device)
+        if stages >= 1:
+            return block_m, block_n, 8 if block_m * block_d >= 128 * 128 else 4, stages
+    return 16, 16, 4, 1
 
 
 def flash_attention(
@@ -234,7 +246,7 @@ def flash_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0 or max_seqlen <= 0:
         return out
-    block_m, block_n, num_warps, num_stages = _block_sizes(head_dim)
+    block_m, block_n, num_warps, num_stages = _launch_config(head_dim, q.element_size(), q.device)
     grid = (triton.cdiv(max_seqlen, block_m), num_seqs, num_heads)
     _flash_attention_kernel[grid](
         q,

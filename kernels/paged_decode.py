@@ -22,7 +22,7 @@ twice over (2 programs per SM), but no split shorter than MIN_KEYS_PER_SPLIT key
 the merge would cost more than the parallelism gains; at most MAX_SPLITS. The count
 depends only on host ints (batch size, head count, the max_seq_len the caller states, SM
 count), never on device values, so a captured CUDA graph can replay it. Without a GPU,
-NOTIONAL_SM_COUNT stands in for the SM count.
+`kernels.device.NOTIONAL_SM_COUNT` stands in for the SM count.
 
 Tiling: one program per (sequence, KV head, split) handles all query heads of the KV head's
 group as one [BLOCK_G, head_dim] tile (padded to 16 rows for tl.dot), so each key and value
@@ -51,13 +51,13 @@ from kernels.checks import (
     check_same_device,
     check_shape,
 )
+from kernels.device import fit_num_stages, sm_count
 
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
 # a split shorter than this costs more to merge than it gains (interpreter: one tile, so
 # that small test contexts still split)
 MIN_KEYS_PER_SPLIT = 32 if INTERPRETED else 256
-NOTIONAL_SM_COUNT = 4  # stands in for the SM count under the interpreter
 
 
 @triton.jit
@@ -117,10 +117,12 @@ def _paged_decode_split_kernel(
         k_t = tl.load(
             kv_cache_ptr + kv_offsets[None, :] + dims[:, None],
             mask=key_mask[None, :] & dim_mask[:, None],
+            other=0.0,
         )
         v = tl.load(
             kv_cache_ptr + cache_value_offset + kv_offsets[:, None] + dims[None, :],
             mask=key_mask[:, None] & dim_mask[None, :],
+            other=0.0,
         )
         if DOT_FP32:
             k_t, v = k_t.to(tl.float32), v.to(tl.float32)
@@ -184,17 +186,17 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(wanted, longest, MAX_SPLITS))
 
 
-def device_sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return NOTIONAL_SM_COUNT
-
-
-def _block_sizes(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages)."""
+def _launch_config(block_g: int, block_d: int, itemsize: int, device: torch.device):
+    """(BLOCK_N, num_warps, num_stages): 64-key tiles, pipelined as deep as shared memory
+    allows (decode is a stream of K/V loads: the pipeline hides their latency)."""
     if INTERPRETED:
         return 32, 4, 1
-    return (64, 4, 3) if head_dim <= 128 else (32, 4, 2)
+    for block_n in (64, 32, 16):
+        fixed = (block_g * block_d + block_g * block_n) * itemsize
+        stages = fit_num_stages(fixed, 2 * block_n * block_d * itemsize, 3, device)
+        if stages >= 1:
+            return block_n, 4, stages
+    return 16, 4, 1
 
 
 def paged_decode_attention(
@@ -237,9 +239,7 @@ def paged_decode_attention(
         check_same_device(name, t, q)
         check_contiguous(name, t)
     if num_splits is None:
-        num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, max_seq_len, device_sm_count(q.device)
-        )
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(q.device))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
 
@@ -250,8 +250,9 @@ def paged_decode_attention(
         num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
     )
     partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    block_n, num_warps, num_stages = _block_sizes(head_dim)
+    block_g = max(16, triton.next_power_of_2(num_heads // num_kv_heads))
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n, num_warps, num_stages = _launch_config(block_g, block_d, q.element_size(), q.device)
     _paged_decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         kv_cache,
@@ -268,7 +269,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         CACHE_BLOCK_SIZE=kv_cache.shape[2],
         DOT_FP32=INTERPRETED or q.dtype == torch.float32,
-        BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+        BLOCK_G=block_g,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=num_warps,

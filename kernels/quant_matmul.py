@@ -44,6 +44,7 @@ from kernels.checks import (
     check_same_device,
     check_shape,
 )
+from kernels.device import fit_num_stages
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_GROUP_SIZE = 128
@@ -126,7 +127,6 @@ def _w8a16_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < M, cols < N
-    dot_dtype = tl.float32 if DOT_FP32 else x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
@@ -141,7 +141,9 @@ def _w8a16_kernel(
             mask=k_mask[:, None] & col_mask[None, :],
             other=0,
         )
-        acc += tl.dot(x.to(dot_dtype), w.to(dot_dtype), input_precision="ieee")
+        if DOT_FP32:
+            x = x.to(tl.float32)
+        acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")  # int8 -> float: exact
     # per output channel: the scale factors out of the K sum
     scales = tl.load(scales_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     out = acc * scales[None, :]
@@ -169,7 +171,6 @@ def _w4a16_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < M, cols < N
-    dot_dtype = tl.float32 if DOT_FP32 else x_ptr.dtype.element_ty
     pairs = tl.arange(0, GROUP_SIZE // 2)  # byte i of a group: k = 2i (low), 2i + 1 (high)
     num_groups = K // GROUP_SIZE
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
@@ -177,15 +178,18 @@ def _w4a16_kernel(
     for group in range(0, num_groups):
         k_even = group * GROUP_SIZE + 2 * pairs
         x_mask = row_mask[:, None]
-        x_even = tl.load(x_rows + k_even[None, :], mask=x_mask, other=0.0).to(dot_dtype)
-        x_odd = tl.load(x_rows + k_even[None, :] + 1, mask=x_mask, other=0.0).to(dot_dtype)
+        x_even = tl.load(x_rows + k_even[None, :], mask=x_mask, other=0.0)
+        x_odd = tl.load(x_rows + k_even[None, :] + 1, mask=x_mask, other=0.0)
+        if DOT_FP32:
+            x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
         packed = tl.load(  # [GROUP_SIZE / 2, BLOCK_N] uint8
             packed_ptr + cols.to(tl.int64)[None, :] * (K // 2) + (k_even // 2)[:, None],
             mask=col_mask[None, :],
             other=0,
         )
-        w_even = ((packed & 0xF).to(tl.float32) - 8.0).to(dot_dtype)
-        w_odd = ((packed >> 4).to(tl.float32) - 8.0).to(dot_dtype)
+        # the nibbles back to [-8, 7], in x's dtype (exact)
+        w_even = ((packed & 0xF).to(tl.float32) - 8.0).to(x_even.dtype)
+        w_odd = ((packed >> 4).to(tl.float32) - 8.0).to(x_even.dtype)
         part = tl.dot(x_even, w_even, input_precision="ieee")
         part = tl.dot(x_odd, w_odd, part, input_precision="ieee")
         scales = tl.load(scales_ptr + cols * num_groups + group, mask=col_mask, other=0.0)
@@ -225,16 +229,27 @@ def _check_activations(x: torch.Tensor) -> None:
         raise ValueError(f"x must have shape [M, K], got {list(x.shape)}")
 
 
-def _block_sizes(m: int) -> tuple[int, int, int, int]:
+def _launch_config(
+    m: int, block_k: int, itemsize: int, weight_bits: int, device: torch.device
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): thin tiles for decode-sized M, where the
-    weights dominate and many programs must stream them; square ones for prefill."""
+    weights dominate and many programs must stream them; square ones for prefill; as many
+    pipeline stages as shared memory holds."""
     if INTERPRETED:
         return 16, 32, 4, 1
     if m <= 16:
-        return 16, 32, 4, 4
-    if m <= 64:
-        return 64, 64, 4, 3
-    return 128, 128, 8, 3
+        candidates = [(16, 32, 4)]
+    elif m <= 64:
+        candidates = [(64, 64, 4)]
+    else:
+        candidates = [(128, 128, 8), (64, 128, 4), (64, 64, 4)]
+    for block_m, block_n, num_warps in candidates:
+        per_stage = block_m * block_k * itemsize + block_k * block_n * weight_bits // 8
+        # the weight tile converted to x's dtype is one more tile beside the pipeline
+        stages = fit_num_stages(block_k * block_n * itemsize, per_stage, 4, device)
+        if stages >= 2:
+            return block_m, block_n, num_warps, stages
+    return 32, 32, 4, 1
 
 
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -247,7 +262,10 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out.zero_()
-    block_m, block_n, num_warps, num_stages = _block_sizes(m)
+    block_k = 64 if INTERPRETED else 128
+    block_m, block_n, num_warps, num_stages = _launch_config(
+        m, block_k, x.element_size(), 8, x.device
+    )
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _w8a16_kernel[grid](
         x,
@@ -260,7 +278,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -
         DOT_FP32=INTERPRETED or x.dtype == torch.float32,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=64 if INTERPRETED else 128,
+        BLOCK_K=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -287,7 +305,9 @@ def w4a16_matmul(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out.zero_()
-    block_m, block_n, num_warps, num_stages = _block_sizes(m)
+    block_m, block_n, num_warps, num_stages = _launch_config(
+        m, group_size, x.element_size(), 4, x.device
+    )
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _w4a16_kernel[grid](
         x,

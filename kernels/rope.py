@@ -53,22 +53,29 @@ def rope_cos_sin_cache(
 
 @triton.jit
 def _rotate_heads(
-    in_ptr, out_ptr, token, num_heads, cos, sin, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr
+    in_ptr,
+    out_ptr,
+    token,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     """Rotate the num_heads head vectors of one token, BLOCK_H heads at a time."""
-    half: tl.constexpr = HEAD_DIM // 2
-    cols = tl.arange(0, cos.shape[0])
+    cols = tl.arange(0, BLOCK_HALF)
     for head_start in range(0, num_heads, BLOCK_H):
         heads = head_start + tl.arange(0, BLOCK_H)
-        mask = (heads < num_heads)[:, None] & (cols < half)[None, :]
-        offsets = (token * num_heads + heads)[:, None] * HEAD_DIM + cols[None, :]
+        mask = (heads < num_heads)[:, None] & (cols < HALF)[None, :]
+        offsets = (token * num_heads + heads)[:, None] * (2 * HALF) + cols[None, :]
         x1 = tl.load(in_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(in_ptr + offsets + half, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(in_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
         out1 = x1 * cos[None, :] - x2 * sin[None, :]
         out2 = x2 * cos[None, :] + x1 * sin[None, :]
         dtype = out_ptr.dtype.element_ty
         tl.store(out_ptr + offsets, out1.to(dtype), mask=mask)
-        tl.store(out_ptr + offsets + half, out2.to(dtype), mask=mask)
+        tl.store(out_ptr + offsets + HALF, out2.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -81,18 +88,17 @@ def _rope_kernel(
     cos_sin_ptr,
     num_heads,
     num_kv_heads,
-    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    half: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, BLOCK_HALF)
-    row = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * HEAD_DIM
-    cos = tl.load(row + cols, mask=cols < half, other=0.0)
-    sin = tl.load(row + half + cols, mask=cols < half, other=0.0)
-    _rotate_heads(q_ptr, q_out_ptr, token, num_heads, cos, sin, HEAD_DIM, BLOCK_H)
-    _rotate_heads(k_ptr, k_out_ptr, token, num_kv_heads, cos, sin, HEAD_DIM, BLOCK_H)
+    row = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * (2 * HALF)
+    cos = tl.load(row + cols, mask=cols < HALF, other=0.0)
+    sin = tl.load(row + HALF + cols, mask=cols < HALF, other=0.0)
+    _rotate_heads(q_ptr, q_out_ptr, token, num_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(k_ptr, k_out_ptr, token, num_kv_heads, cos, sin, HALF, BLOCK_H, BLOCK_HALF)
 
 
 def apply_rope(
@@ -147,7 +153,7 @@ def apply_rope(
             cos_sin_cache,
             num_heads,
             num_kv_heads,
-            HEAD_DIM=head_dim,
+            HALF=head_dim // 2,
             BLOCK_H=block_h,
             BLOCK_HALF=block_half,
             num_warps=4,
