@@ -72,6 +72,7 @@ class TrainConfig:
     log_interval_steps: int = 10
     seed: int = 0
     threads: int = 2
+    bf16_autocast: bool = False  # matmuls in bfloat16 (fast on CPUs with AMX), fp32 weights
 
 
 @dataclass(slots=True)
@@ -239,7 +240,8 @@ def fit(spec: ModelSpec, cfg: TrainConfig, data: CorpusData, out_dir: pathlib.Pa
             len(stream) - cfg.seq_len - 1, (cfg.batch_size,), generator=generator
         )
         batch = torch.stack([stream[s : s + cfg.seq_len + 1] for s in starts.tolist()])
-        logits = model.forward_causal(batch[:, :-1])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+            logits = model.forward_causal(batch[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -371,6 +373,9 @@ def main(argv: list[str] | None = None) -> None:
     fit_parser.add_argument("--max-steps", type=int, default=None, help="per model")
     fit_parser.add_argument("--threads", type=int, default=2)
     fit_parser.add_argument("--seed", type=int, default=0)
+    fit_parser.add_argument(
+        "--bf16-autocast", action="store_true", help="bfloat16 matmuls, float32 weights"
+    )
     fit_parser.add_argument("--out-dir", type=pathlib.Path, default=MODELS_DIR)
     fit_parser.add_argument("--work-dir", type=pathlib.Path, default=DEFAULT_WORK_DIR)
     card_parser = sub.add_parser("card", help="measure both models and write their cards")
@@ -389,6 +394,7 @@ def main(argv: list[str] | None = None) -> None:
         time_budget_s=args.time_budget_s,
         seed=args.seed,
         threads=args.threads,
+        bf16_autocast=args.bf16_autocast,
     )
     data = prepare_corpus(args.work_dir, cfg.seq_len)
     print(f"corpus: {data.manifest['corpus']}, {len(data.train_tokens)} train tokens", flush=True)
