@@ -15,8 +15,13 @@ prefixes are the ones worth keeping.
 
 from __future__ import annotations
 
+import time
+
+import torch
+
 from minillm import roofline
 from minillm.config import ModelConfig
+from minillm.units import MiB
 
 # PCIe signalling rate per lane in GT/s, by generation; generations 3 to 5 encode 128 bits of
 # data in 130 bits on the wire.
@@ -72,3 +77,30 @@ def break_even_bandwidth_bytes_per_s(
     if kv_bytes_per_token <= 0 or flops_per_token <= 0 or sustained_flops_per_s <= 0:
         raise ValueError("bytes, FLOPs per token and FLOP/s must all be > 0")
     return kv_bytes_per_token * sustained_flops_per_s / flops_per_token
+
+
+def measure_fetch_bandwidth_bytes_per_s(
+    num_bytes: int = 64 * MiB, device: str | None = None, repeats: int = 5
+) -> float:
+    """This machine's rate for bringing offloaded KV back: bytes/s of the fastest of `repeats`
+    copies of `num_bytes` from host memory to the device that runs the model.
+
+    On a CUDA machine: pinned host memory to the GPU, over PCIe (or NVLink-C2C). Without a GPU,
+    host memory is the model's memory too, and the copy is a memcpy within it.
+    """
+    if num_bytes < 1 or repeats < 1:
+        raise ValueError(f"num_bytes and repeats must be >= 1, got {num_bytes}, {repeats}")
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = target.type == "cuda"
+    src = torch.ones(num_bytes, dtype=torch.uint8, pin_memory=on_gpu)
+    dst = torch.empty(num_bytes, dtype=torch.uint8, device=target)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first copy warms up
+        if on_gpu:
+            torch.cuda.synchronize(target)
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=on_gpu)
+        if on_gpu:
+            torch.cuda.synchronize(target)
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best

@@ -66,3 +66,11 @@ def test_bad_inputs():
         kv_offload.recompute_time_s(get_model_config("Qwen3-0.6B"), 10, 1e12, 0)
     with pytest.raises(ValueError):
         kv_offload.break_even_bandwidth_bytes_per_s(0, 1, 1)
+
+
+def test_measured_fetch_bandwidth_is_plausible():
+    bw = kv_offload.measure_fetch_bandwidth_bytes_per_s(8 * 2**20, "cpu", repeats=2)
+    # a memcpy on any machine this runs on: between 100 MB/s and 1 TB/s
+    assert 1e8 < bw < 1e12
+    with pytest.raises(ValueError):
+        kv_offload.measure_fetch_bandwidth_bytes_per_s(0)
