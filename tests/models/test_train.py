@@ -1,0 +1,120 @@
+"""The training pipeline on a corpus small enough to train in seconds."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from minillm import corpus, train
+from minillm.loader import load_model
+
+TINY_SPEC = train.ModelSpec("tiny", 32, 1, 2, 1, 64, 1e-2)
+
+
+def write(root: pathlib.Path, relative: str, data: bytes) -> None:
+    path = root / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def test_read_stdlib_sorted_utf8_without_site_packages(tmp_path):
+    write(tmp_path, "b.py", b"b = 1\n")
+    write(tmp_path, "a/z.py", b"z = 2\n")
+    write(tmp_path, "a/notes.txt", b"not python\n")
+    write(tmp_path, "site-packages/pkg/x.py", b"x = 3\n")
+    write(tmp_path, "latin.py", "s = 'caf\u00e9'\n".encode("latin-1"))
+    documents = corpus.read_stdlib(tmp_path)
+    assert [d.path for d in documents] == ["a/z.py", "b.py"]
+    assert documents[0].text == "z = 2\n"
+
+
+def test_split_depends_on_the_path_alone():
+    paths = [f"pkg/module_{i}.py" for i in range(5000)]
+    documents = [corpus.Document(p, "") for p in paths]
+    train_docs, val_docs = corpus.split_documents(documents, 0.02)
+    assert len(train_docs) + len(val_docs) == 5000
+    assert 0.015 < len(val_docs) / 5000 < 0.025
+    # reversing the input reverses each split, but moves no file across
+    train_rev, val_rev = corpus.split_documents(documents[::-1], 0.02)
+    assert [d.path for d in val_rev] == [d.path for d in val_docs][::-1]
+    assert len(train_rev) == len(train_docs)
+    with pytest.raises(ValueError, match="validation_fraction"):
+        corpus.split_documents(documents, 1.5)
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory) -> train.CorpusData:
+    documents = [
+        corpus.Document(f"m{i}.py", f"def f{i}(x):\n    return x * {i}\n\n\nprint(f{i}(2))\n")
+        for i in range(200)
+    ]
+    work_dir = tmp_path_factory.mktemp("work")
+    tokenizer = corpus.train_tokenizer(documents[:180], vocab_size=300)
+    corpus.write_tokenizer_files(tokenizer, work_dir)
+    val = corpus.encode_documents(tokenizer, documents[180:])
+    return train.CorpusData(
+        tokenizer_path=work_dir / "tokenizer.json",
+        train_tokens=corpus.encode_documents(tokenizer, documents[:180]),
+        heldout=torch.from_numpy(train.heldout_windows(val, 4, 17)),
+        manifest={"corpus": "tiny", "validation_files": [d.path for d in documents[180:]]},
+    )
+
+
+def test_tokenizer_special_ids_and_document_stream(tiny_corpus):
+    tokenizer = corpus.Tokenizer.from_file(str(tiny_corpus.tokenizer_path))
+    assert [tokenizer.token_to_id(t) for t in corpus.SPECIAL_TOKENS] == [0, 1, 2]
+    assert tokenizer.encode("x = 1").ids[0] == 0
+    stream = corpus.encode_documents(tokenizer, [corpus.Document("a.py", "x = 1\n")] * 2)
+    body = tokenizer.encode("x = 1\n", add_special_tokens=False).ids
+    assert stream.tolist() == ([0] + body + [1]) * 2
+    # the newline stays a token of its own, apart from the indentation after it
+    tokens = tokenizer.encode("f(x):\n    return", add_special_tokens=False).tokens
+    assert "\u010a" in tokens  # byte-level spelling of "\n"
+
+
+def test_heldout_windows_spread_over_the_stream():
+    stream = np.arange(100, dtype=np.uint16)
+    windows = train.heldout_windows(stream, 3, 10)
+    assert windows[:, 0].tolist() == [0, 45, 90]
+    assert windows[-1, -1] == 99
+    with pytest.raises(ValueError, match="too short"):
+        train.heldout_windows(stream, 11, 10)
+
+
+def test_learning_rate_warmup_then_cosine():
+    cfg = train.TrainConfig(warmup_steps=10, min_lr_ratio=0.1)
+    assert train.learning_rate(0, 0.0, 1.0, cfg) == pytest.approx(0.1)
+    assert train.learning_rate(9, 0.05, 1.0, cfg) == pytest.approx(1.0)
+    assert train.learning_rate(50, 0.5, 1.0, cfg) == pytest.approx(0.55)
+    assert train.learning_rate(100, 1.0, 1.0, cfg) == pytest.approx(0.1)
+
+
+def test_fit_learns_and_writes_a_loadable_directory(tiny_corpus, tmp_path):
+    cfg = train.TrainConfig(
+        seq_len=16, batch_size=8, max_steps=60, warmup_steps=5, eval_interval_steps=30, threads=1
+    )
+    summary = train.fit(TINY_SPEC, cfg, tiny_corpus, tmp_path)
+    assert summary["steps"] == 60
+    assert summary["tokens_seen"] == 60 * 8 * 16
+    # far below a uniform guess over 300 tokens: this corpus is almost all repetition
+    assert summary["heldout_loss_float32_weights"] < math.log(300) - 2
+    with (tmp_path / "training_log.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows if r["heldout_loss"]] == ["30", "60", "60"]
+    loaded = load_model(tmp_path)
+    assert loaded.config.torch_dtype == "bfloat16"
+    assert loaded.tokenizer.pad_token_id == 2
+    assert (tmp_path / "loss_curve.png").stat().st_size > 0
+    heldout = json.loads((tmp_path / "heldout_tokens.json").read_text())["token_ids"]
+    assert heldout == tiny_corpus.heldout.tolist()
+
+
+def test_fit_needs_a_budget(tiny_corpus, tmp_path):
+    with pytest.raises(ValueError, match="max-steps"):
+        train.fit(TINY_SPEC, train.TrainConfig(), tiny_corpus, tmp_path)
