@@ -68,6 +68,20 @@ def test_flash_attention_matches_reference(
     assert_close(out, expected, ATTENTION_TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_empty_and_single_token_sequences(with_prefix):
+    # an empty sequence between others, a one-token chunk, and one token after a prefix
+    q_lens, prefix_lens = [0, 1, 33, 0, 1], [4, 0, 17, 9, 40]
+    q, k, v, cu_seqlens, prefix = make_inputs(
+        q_lens, prefix_lens if with_prefix else None, 2, 2, 32, 16, torch.float32, seed=5
+    )
+    out = flash_attention(q, k, v, cu_seqlens, 33, 0.2, **prefix)
+    expected = flash_attention_reference(q, k, v, cu_seqlens, 0.2, **prefix)
+    assert_close(out, expected, ATTENTION_TOLERANCE[torch.float32])
+    if not with_prefix:  # a lone token attends to itself only: its own value
+        assert torch.equal(out[0], v[0].repeat_interleave(2, dim=0))
+
+
 def test_chunked_prefill_equals_prefill_in_one_go():
     # a 37-token prompt at once, or its first 20 tokens cached and the last 17 as a chunk
     q, k, v, cu_seqlens, _ = make_inputs([37], None, 2, 2, 32, 8, torch.float32, seed=1)
