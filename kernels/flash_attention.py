@@ -21,7 +21,7 @@ score matrix never exists in memory. Scores are computed in base 2 (exp2 of s * 
 
 Tiling: one program per (BLOCK_M query rows, sequence, query head). It walks the prefix in
 BLOCK_N-key tiles gathered through the block table, then the new keys up to the diagonal of
-its rows (causal: later tiles are skipped, and the mask is applied within a tile). Scores,
+its rows (causal: only the tiles on the diagonal are masked, later tiles are skipped). Scores,
 softmax statistics and the accumulator are float32; under the interpreter the dots are
 float32 too (its bfloat16 dot is wrong), on a GPU they take the inputs' dtype, and float32
 inputs use IEEE float32 rather than TF32.
@@ -53,19 +53,42 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
-def _attend_tile(q, k_t, v, mask, m_i, l_i, acc, scale_log2e, DOT_FP32: tl.constexpr):
-    """One online-softmax step: scores of q [M, D] against k_t [D, N] where `mask` holds,
-    then the running max, sum and accumulator updated with v [N, D]."""
+def _attend_tile(
+    q, k_t, v, mask, m_i, l_i, acc, scale_log2e, MASKED: tl.constexpr, DOT_FP32: tl.constexpr
+):
+    """One online-softmax step: scores of q [M, D] against k_t [D, N] (where `mask` holds,
+    if MASKED), then the running max, sum and accumulator updated with v [N, D]."""
     if DOT_FP32:
         k_t, v = k_t.to(tl.float32), v.to(tl.float32)
     s = tl.dot(q, k_t, input_precision="ieee") * scale_log2e
-    s = tl.where(mask, s, float("-inf"))
+    if MASKED:
+        s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
+
+
+@triton.jit
+def _load_new_kv(
+    k_ptr, v_ptr, q_start, keys, key_mask, kv_head, num_kv_heads, dims, HEAD_DIM: tl.constexpr
+):
+    """The new tokens' keys (transposed, [D, N]) and values ([N, D]) at `keys`."""
+    dim_mask = dims < HEAD_DIM
+    kv_offsets = ((q_start + keys).to(tl.int64) * num_kv_heads + kv_head) * HEAD_DIM
+    k_t = tl.load(
+        k_ptr + kv_offsets[None, :] + dims[:, None],
+        mask=key_mask[None, :] & dim_mask[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        v_ptr + kv_offsets[:, None] + dims[None, :],
+        mask=key_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    return k_t, v
 
 
 @triton.jit
@@ -139,26 +162,27 @@ def _flash_attention_kernel(
                 other=0.0,
             )
             m_i, l_i, acc = _attend_tile(
-                q, k_t, v, key_mask[None, :], m_i, l_i, acc, scale_log2e, DOT_FP32
+                q, k_t, v, key_mask[None, :], m_i, l_i, acc, scale_log2e, True, DOT_FP32
             )
 
-    # the new tokens, causally: tiles past this block's last row are never visited
-    for start in range(0, tl.minimum(q_len, (m_block + 1) * BLOCK_M), BLOCK_N):
+    # The new tokens, causally. Keys left of this block's first row are visible to all its
+    # rows (BLOCK_M is a multiple of BLOCK_N, so those tiles end there): no mask. The tiles
+    # on the diagonal get the causal mask; tiles right of it are never visited.
+    diagonal = m_block * BLOCK_M
+    for start in range(0, diagonal, BLOCK_N):
+        keys = start + cols
+        k_t, v = _load_new_kv(
+            k_ptr, v_ptr, q_start, keys, keys < q_len, kv_head, num_kv_heads, dims, HEAD_DIM
+        )
+        m_i, l_i, acc = _attend_tile(q, k_t, v, 0, m_i, l_i, acc, scale_log2e, False, DOT_FP32)
+    for start in range(diagonal, tl.minimum(q_len, diagonal + BLOCK_M), BLOCK_N):
         keys = start + cols
         key_mask = keys < q_len
-        kv_offsets = ((q_start + keys).to(tl.int64) * num_kv_heads + kv_head) * HEAD_DIM
-        k_t = tl.load(
-            k_ptr + kv_offsets[None, :] + dims[:, None],
-            mask=key_mask[None, :] & dim_mask[:, None],
-            other=0.0,
-        )
-        v = tl.load(
-            v_ptr + kv_offsets[:, None] + dims[None, :],
-            mask=key_mask[:, None] & dim_mask[None, :],
-            other=0.0,
+        k_t, v = _load_new_kv(
+            k_ptr, v_ptr, q_start, keys, key_mask, kv_head, num_kv_heads, dims, HEAD_DIM
         )
         causal = (keys[None, :] <= rows[:, None]) & key_mask[None, :]
-        m_i, l_i, acc = _attend_tile(q, k_t, v, causal, m_i, l_i, acc, scale_log2e, DOT_FP32)
+        m_i, l_i, acc = _attend_tile(q, k_t, v, causal, m_i, l_i, acc, scale_log2e, True, DOT_FP32)
 
     out = acc / l_i[:, None]
     tl.store(
@@ -176,6 +200,7 @@ def _launch_config(head_dim: int, itemsize: int, device: torch.device) -> tuple[
     if INTERPRETED:
         return 32, 32, 4, 1
     block_d = max(16, triton.next_power_of_2(head_dim))
+    # BLOCK_M a multiple of BLOCK_N: the unmasked tiles must end where a block of rows begins
     for block_m, block_n in ((128, 64), (64, 64), (64, 32), (32, 32)):
         fixed = (block_m * block_d + block_m * block_n) * itemsize
         stages = fit_num_stages(fixed, 2 * block_n * block_d * itemsize, 3, device)
