@@ -21,13 +21,17 @@ At batch 1 a matmul reads every weight once and does 2 FLOPs per weight: it is b
 memory bandwidth, and moving 4x fewer bytes than bfloat16 is the whole point of W4A16.
 
 Tiling: one program per [BLOCK_M, BLOCK_N] output tile walks K in BLOCK_K steps (W4:
-BLOCK_K = group_size), accumulating in float32. For W4 the packed tile [BLOCK_K / 2,
-BLOCK_N] is unpacked into its low nibbles (even k) and high nibbles (odd k), each dotted
-with the matching even or odd columns of x. Under the interpreter the dots are float32.
+BLOCK_K = group_size), accumulating in float32. At decode-sized M there are too few output
+tiles to keep every SM streaming weights, so K is split among SPLIT_K programs per tile
+(split-K) whose float32 partial sums are added afterwards, in a fixed order. For W4 the
+packed tile [BLOCK_K / 2, BLOCK_N] is unpacked into its low nibbles (even k) and high
+nibbles (odd k), each dotted with the matching even or odd columns of x. Under the
+interpreter the dots are float32.
 
 Cost per call: FLOPs quant_matmul_flops() = 2 M N K; bytes moved quant_matmul_bytes():
 x read and y written, (M K + M N) * itemsize, plus the quantized weights (N K or N K / 2
-bytes) and their scales, each read once.
+bytes) and their scales, each read once (split-K's partial sums, 4 SPLIT_K M N bytes
+written and read, are not counted: they are not part of the problem).
 """
 
 from __future__ import annotations
@@ -44,11 +48,15 @@ from kernels.checks import (
     check_same_device,
     check_shape,
 )
-from kernels.device import fit_num_stages
+from kernels.device import fit_num_stages, sm_count
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_GROUP_SIZE = 128
 W8_MAX, W4_MIN, W4_MAX = 127, -8, 7
+MAX_SPLIT_K = 16
+# a split-K share shorter than this costs more in partial sums than it gains (interpreter:
+# 1, so that small test shapes split too)
+MIN_K_STEPS_PER_SPLIT = 1 if INTERPRETED else 4
 
 
 # --- quantization and packing (plain PyTorch, run once per weight) ---
@@ -119,6 +127,7 @@ def _w8a16_kernel(
     M,
     N,
     K,
+    SPLIT_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -126,9 +135,14 @@ def _w8a16_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     row_mask, col_mask = rows < M, cols < N
+    # split-K: this program sums one contiguous share of the K steps
+    steps_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_begin = split * steps_per_split * BLOCK_K
+    k_end = tl.minimum(K, k_begin + steps_per_split * BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k_start in range(0, K, BLOCK_K):
+    for k_start in range(k_begin, k_end, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = tl.load(
@@ -147,8 +161,9 @@ def _w8a16_kernel(
     # per output channel: the scale factors out of the K sum
     scales = tl.load(scales_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     out = acc * scales[None, :]
+    # with SPLIT_K > 1, out is the float32 [SPLIT_K, M, N] buffer of partial sums
     tl.store(
-        out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+        out_ptr + (split * M + rows).to(tl.int64)[:, None] * N + cols[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=row_mask[:, None] & col_mask[None, :],
     )
@@ -163,6 +178,7 @@ def _w4a16_kernel(
     M,
     N,
     K,
+    SPLIT_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -170,12 +186,17 @@ def _w4a16_kernel(
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     row_mask, col_mask = rows < M, cols < N
     pairs = tl.arange(0, GROUP_SIZE // 2)  # byte i of a group: k = 2i (low), 2i + 1 (high)
     num_groups = K // GROUP_SIZE
+    # split-K: this program sums one contiguous share of the groups
+    groups_per_split = tl.cdiv(num_groups, SPLIT_K)
+    group_begin = split * groups_per_split
+    group_end = tl.minimum(num_groups, group_begin + groups_per_split)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for group in range(0, num_groups):
+    for group in range(group_begin, group_end):
         k_even = group * GROUP_SIZE + 2 * pairs
         x_mask = row_mask[:, None]
         x_even = tl.load(x_rows + k_even[None, :], mask=x_mask, other=0.0)
@@ -194,8 +215,9 @@ def _w4a16_kernel(
         part = tl.dot(x_odd, w_odd, part, input_precision="ieee")
         scales = tl.load(scales_ptr + cols * num_groups + group, mask=col_mask, other=0.0)
         acc += part * scales.to(tl.float32)[None, :]
+    # with SPLIT_K > 1, out is the float32 [SPLIT_K, M, N] buffer of partial sums
     tl.store(
-        out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+        out_ptr + (split * M + rows).to(tl.int64)[:, None] * N + cols[None, :],
         acc.to(out_ptr.dtype.element_ty),
         mask=row_mask[:, None] & col_mask[None, :],
     )
@@ -252,6 +274,46 @@ def _launch_config(
     return 32, 32, 4, 1
 
 
+def choose_split_k(num_tiles: int, num_k_steps: int, num_sms: int) -> int:
+    """How many programs share one output tile's K sum. At decode-sized M the output tiles
+    alone leave SMs idle and too few bytes in flight: split K until there are about 2
+    programs per SM, keeping at least MIN_K_STEPS_PER_SPLIT K steps each (at most
+    MAX_SPLIT_K)."""
+    wanted = triton.cdiv(2 * num_sms, max(num_tiles, 1))
+    most = max(1, num_k_steps // MIN_K_STEPS_PER_SPLIT)
+    return max(1, min(wanted, most, MAX_SPLIT_K))
+
+
+def _launch(kernel, x, weight, scales, n: int, block_k: int, weight_bits: int, **constexprs):
+    """Pick tiles and split-K, launch, and add up the split-K partial sums."""
+    m, k = x.shape
+    block_m, block_n, num_warps, num_stages = _launch_config(
+        m, block_k, x.element_size(), weight_bits, x.device
+    )
+    grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    split_k = choose_split_k(grid_m * grid_n, triton.cdiv(k, block_k), sm_count(x.device))
+    # partial sums in float32, added in a fixed order afterwards: deterministic, no atomics
+    out_dtype = x.dtype if split_k == 1 else torch.float32
+    out = torch.empty(split_k, m, n, dtype=out_dtype, device=x.device)
+    kernel[(grid_m, grid_n, split_k)](
+        x,
+        weight,
+        scales,
+        out,
+        m,
+        n,
+        k,
+        SPLIT_K=split_k,
+        DOT_FP32=INTERPRETED or x.dtype == torch.float32,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **constexprs,
+    )
+    return out[0] if split_k == 1 else out.sum(dim=0).to(x.dtype)
+
+
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x: [M, K] float16/bfloat16 (float32 for testing); qweight: [N, K] int8; scales: [N] in
     x's dtype -> y = x (qweight * scales)^T: [M, N] in x's dtype."""
@@ -259,30 +321,10 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -
     m, k = x.shape
     _check_matmul_inputs(x, "qweight", qweight, torch.int8, k, scales, None)
     n = qweight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out.zero_()
+    if m == 0 or n == 0 or k == 0:
+        return torch.zeros(m, n, dtype=x.dtype, device=x.device)
     block_k = 64 if INTERPRETED else 128
-    block_m, block_n, num_warps, num_stages = _launch_config(
-        m, block_k, x.element_size(), 8, x.device
-    )
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _w8a16_kernel[grid](
-        x,
-        qweight,
-        scales,
-        out,
-        m,
-        n,
-        k,
-        DOT_FP32=INTERPRETED or x.dtype == torch.float32,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    return out
+    return _launch(_w8a16_kernel, x, qweight, scales, n, block_k, 8, BLOCK_K=block_k)
 
 
 def w4a16_matmul(
@@ -302,29 +344,9 @@ def w4a16_matmul(
         raise ValueError(f"x's K ({k}) must be a multiple of group_size ({group_size})")
     _check_matmul_inputs(x, "packed", packed, torch.uint8, k // 2, scales, k // group_size)
     n = packed.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out.zero_()
-    block_m, block_n, num_warps, num_stages = _launch_config(
-        m, group_size, x.element_size(), 4, x.device
-    )
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _w4a16_kernel[grid](
-        x,
-        packed,
-        scales,
-        out,
-        m,
-        n,
-        k,
-        DOT_FP32=INTERPRETED or x.dtype == torch.float32,
-        GROUP_SIZE=group_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    return out
+    if m == 0 or n == 0 or k == 0:
+        return torch.zeros(m, n, dtype=x.dtype, device=x.device)
+    return _launch(_w4a16_kernel, x, packed, scales, n, group_size, 4, GROUP_SIZE=group_size)
 
 
 def w8a16_matmul_reference(

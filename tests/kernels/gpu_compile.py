@@ -107,13 +107,13 @@ def cases(dtype: str, itemsize: int):
         4,
         1,
     )
-    for m in (1, 4096):
+    for m, split_k in ((1, 4), (4096, 1)):
         block_m, block_n, warps, stages = quant_matmul._launch_config(m, 128, itemsize, 8, cuda)
         yield (
             f"w8a16 M={m}",
             quant_matmul._w8a16_kernel,
             dict(x_ptr=p, w_ptr="*i8", scales_ptr=p, out_ptr=p),
-            dict(DOT_FP32=dot_fp32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128),
+            dict(SPLIT_K=split_k, DOT_FP32=dot_fp32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128),
             warps,
             stages,
         )
@@ -122,7 +122,13 @@ def cases(dtype: str, itemsize: int):
             f"w4a16 M={m}",
             quant_matmul._w4a16_kernel,
             dict(x_ptr=p, packed_ptr="*u8", scales_ptr=p, out_ptr=p),
-            dict(DOT_FP32=dot_fp32, GROUP_SIZE=128, BLOCK_M=block_m, BLOCK_N=block_n),
+            dict(
+                SPLIT_K=split_k,
+                DOT_FP32=dot_fp32,
+                GROUP_SIZE=128,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+            ),
             warps,
             stages,
         )

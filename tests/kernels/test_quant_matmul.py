@@ -97,6 +97,31 @@ def test_quantization_error_is_at_most_half_a_step(n, seed):
     assert torch.equal(dequantize_w4(packed, scales, 128)[0, :128], torch.zeros(128))
 
 
+def test_split_k_sums_to_the_unsplit_result(monkeypatch):
+    from kernels import quant_matmul
+
+    x = torch.randn(2, 256, device=DEVICE)
+    packed, scales = quantize_w4(torch.randn(24, 256) * 0.05, 64)
+    qweight, scales8 = quantize_w8(torch.randn(24, 256) * 0.05)
+    packed, scales, qweight, scales8 = (t.to(DEVICE) for t in (packed, scales, qweight, scales8))
+    # one 32-column tile on a notional 4-SM device: K is split (interpreter) ...
+    split4, split8 = w4a16_matmul(x, packed, scales, 64), w8a16_matmul(x, qweight, scales8)
+    monkeypatch.setattr(quant_matmul, "MAX_SPLIT_K", 1)  # ... or not
+    torch.testing.assert_close(split4, w4a16_matmul(x, packed, scales, 64), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split8, w8a16_matmul(x, qweight, scales8), atol=1e-5, rtol=1e-5)
+
+
+def test_choose_split_k():
+    from kernels.quant_matmul import MAX_SPLIT_K, MIN_K_STEPS_PER_SPLIT, choose_split_k
+
+    # batch 1, N = 4096 in 32-column tiles: 128 tiles on 132 SMs want 3 splits
+    assert choose_split_k(128, 32 * MIN_K_STEPS_PER_SPLIT, 132) == 3
+    # enough output tiles: no split; few K steps: few splits
+    assert choose_split_k(4096, 32, 132) == 1
+    assert choose_split_k(1, 2 * MIN_K_STEPS_PER_SPLIT, 132) == 2
+    assert choose_split_k(1, 10**6, 132) == MAX_SPLIT_K
+
+
 def test_w4a16_worked_example():
     # one group of 32 weights, all 0.7 except w[0, 1] = -1.4: scale 0.2, q = 3.5 -> 4, -7
     weight = torch.full((1, 32), 0.7)
