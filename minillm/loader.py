@@ -121,6 +121,27 @@ def check_state_dict(
         raise ValueError(f"{source} has tensors this architecture does not use: {unexpected}")
 
 
+def resolve_dtype(
+    requested: str | torch.dtype | None, checkpoint_dtype: str, device: torch.device
+) -> torch.dtype:
+    """The dtype to run in: the requested one, else the checkpoint's.
+
+    bfloat16 needs a GPU of compute capability 8.0 or newer; on older ones (Colab's T4) a
+    bfloat16 checkpoint runs in float16 when no dtype was asked for, as vLLM does, and asking
+    for bfloat16 explicitly is an error.
+    """
+    dtype = torch_dtype(requested if requested is not None else checkpoint_dtype)
+    no_bf16 = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
+    if dtype == torch.bfloat16 and no_bf16:
+        if requested is not None:
+            raise ValueError(
+                f"{torch.cuda.get_device_name(device)} has no bfloat16 support; "
+                "use dtype='float16' or 'float32'"
+            )
+        return torch.float16
+    return dtype
+
+
 def load_model(
     model: str | os.PathLike,
     dtype: str | torch.dtype | None = None,
@@ -130,7 +151,7 @@ def load_model(
     """Load a model directory (or bundled/Hub name); dtype defaults to config's torch_dtype."""
     path = resolve_model_path(model)
     config = ModelConfig.from_hf_config(read_json(path / "config.json"))
-    dtype = torch_dtype(dtype if dtype is not None else config.torch_dtype)
+    dtype = resolve_dtype(dtype, config.torch_dtype, torch.device(device))
     config.torch_dtype = str(dtype).removeprefix("torch.")
     state = load_safetensors(path)
     if config.tie_word_embeddings:

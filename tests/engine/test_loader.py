@@ -209,3 +209,18 @@ def test_save_pretrained_with_a_tokenizers_object(hf_checkpoint, tmp_path):
     assert reloaded.model.lm_head.weight.dtype == torch.bfloat16
     for name, tensor in loaded.model.state_dict().items():
         assert torch.equal(reloaded.model.state_dict()[name], tensor), name
+
+
+def test_resolve_dtype_falls_back_to_float16_without_bfloat16(monkeypatch):
+    from minillm.loader import resolve_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype(None, "bfloat16", cpu) == torch.bfloat16
+    assert resolve_dtype("float32", "bfloat16", cpu) == torch.float32
+    # a GPU without bfloat16 (compute capability < 8.0, such as a T4)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    assert resolve_dtype(None, "bfloat16", cuda) == torch.float16
+    assert resolve_dtype(None, "float32", cuda) == torch.float32
+    with pytest.raises(ValueError, match="Tesla T4 has no bfloat16 support"):
+        resolve_dtype("bfloat16", "float32", cuda)
