@@ -114,6 +114,16 @@ def measure_gemm(
     )
 
 
+def default_matmul_dtype(device: str | torch.device | None = None) -> str:
+    """The format a model runs in on `device`: bfloat16 on a GPU that has it natively, else
+    float16 (T4, V100); float32 on a CPU, the format every CPU multiplies at full speed."""
+    dev = resolve_device(device)
+    if dev.type == "cpu":
+        return "float32"
+    native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+    return "bfloat16" if native_bf16 else "float16"
+
+
 def default_matmul_sizes(device: torch.device) -> tuple[int, ...]:
     """Square sizes large enough to reach the peak, small enough to finish in ~a second."""
     return (4096, 8192) if device.type == "cuda" else (512, 1024, 1536)
@@ -180,11 +190,11 @@ def measure_device(
 ) -> DeviceSpec:
     """A `DeviceSpec` for this machine from measurements (`measured=True`).
 
-    Peak FLOP/s per dtype of `dtypes` (default float32 on a CPU; bfloat16 and float32 on a
+    Peak FLOP/s per dtype of `dtypes` (default: `default_matmul_dtype`, and float32 on a
     GPU) from `measure_matmul_flops`; bandwidth is the better of a read and a copy.
     """
     dev = resolve_device(device)
-    dtypes = dtypes or (("bfloat16", "float32") if dev.type == "cuda" else ("float32",))
+    dtypes = dtypes or tuple(dict.fromkeys((default_matmul_dtype(dev), "float32")))
     peaks = {compute_format(d): measure_matmul_flops(dev, d).flops_per_s for d in dtypes}
     bandwidth = max(measure_memory_bandwidth(dev, op=op).bytes_per_s for op in ("read", "copy"))
     if dev.type == "cuda":

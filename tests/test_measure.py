@@ -64,3 +64,7 @@ def test_this_machine_is_a_measured_spec():
     assert spec.peak_flops("float32") > 1e8  # any computer of this century
     assert spec.memory_bandwidth_bytes_per_s > 1e8
     assert spec.num_compute_units >= 1 and spec.memory_bytes > 1e8
+
+
+def test_a_cpu_measures_float32():
+    assert measure.default_matmul_dtype("cpu") == "float32"
