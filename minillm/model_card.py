@@ -178,17 +178,17 @@ def render_card(summary: dict, evaluation: dict) -> str:
         "`<|eos|>`).",
         "",
         "The standard library is distributed under the Python Software Foundation License "
-        "Version 2 (Copyright (c) 2001 Python Software Foundation; All Rights Reserved). About "
-        "40% of it is the `test` package, whose style the model imitates.",
+        "Version 2 (Copyright (c) 2001 Python Software Foundation; All Rights Reserved). Much "
+        "of it is the `test` package, whose style the model imitates.",
         "",
         "## Training",
         "",
         "| | |",
         "| --- | --- |",
-        f"| hardware | {summary['hardware']['cpu']}, {summary['hardware']['threads']} threads "
+        f"| hardware | {summary['hardware']['cpu']}, {summary['hardware']['threads']} thread(s) "
         "(CPU only) |",
-        "| precision | float32 weights and optimizer state"
-        + (", bfloat16 matmuls (autocast) |" if cfg.get("bf16_autocast") else " and matmuls |"),
+        "| precision | float32 weights and optimizer state, "
+        + ("bfloat16 matmuls (autocast) |" if cfg.get("bf16_autocast") else "float32 matmuls |"),
         f"| software | Python {summary['software']['python']}, "
         f"PyTorch {summary['software']['torch']} |",
         f"| wall-clock time | {summary['train_time_s'] / 60:.1f} min |",
