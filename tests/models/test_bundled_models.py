@@ -1,0 +1,163 @@
+"""The bundled stdlib models: transformers loads them unchanged, and their cards tell the truth.
+
+`transformers` is the oracle throughout: its Llama and its tokenizer share no code with
+minillm's. The held-out loss is recomputed with it and compared with the number that
+`python -m minillm.train card` wrote into training_summary.json and the README.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillm import SamplingParams
+from minillm.llm import LLM
+from minillm.loader import BUNDLED_MODELS_DIR, DEFAULT_MODEL, load_model, resolve_model_path
+from minillm.tokenizer import Tokenizer
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+transformers = pytest.importorskip("transformers")
+
+NAMES = ["minillm-stdlib-target", "minillm-stdlib-draft"]
+MODELS_DIR = BUNDLED_MODELS_DIR
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:'
+# Recomputing the loss with another implementation changes float32 summation order only.
+HELDOUT_LOSS_ATOL = 2e-3
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def model_dir(request) -> pathlib.Path:
+    return MODELS_DIR / request.param
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model_dir):
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> Tokenizer:
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def summary(model_dir) -> dict:
+    return json.loads((model_dir / "training_summary.json").read_text())
+
+
+def test_bundled_names_resolve():
+    assert DEFAULT_MODEL == "minillm-stdlib-target"
+    for name in NAMES:
+        assert resolve_model_path(name) == BUNDLED_MODELS_DIR / name
+
+
+def test_hf_files(model_dir):
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["model_type"] == "llama"
+    assert config["torch_dtype"] == "bfloat16"
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (0, 1, 2)
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (0, 1)
+    assert generation["do_sample"] is False
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
+def test_models_fit_in_the_package():
+    sizes = [p.stat().st_size for n in NAMES for p in (MODELS_DIR / n).iterdir()]
+    assert sum(sizes) < 40 * 2**20
+    # every file is package data: pyproject's glob must match it, or a wheel would lack it
+    pyproject = (pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert 'minillm = ["models/*/*"]' in pyproject
+    for name in NAMES:
+        for path in (MODELS_DIR / name).iterdir():
+            assert path.is_file(), f"{path}: a subdirectory is not matched by models/*/*"
+            assert fnmatch.fnmatch(f"models/{name}/{path.name}", "models/*/*")
+
+
+def test_same_logits_as_transformers(model_dir, hf_model, hf_tokenizer):
+    ids = hf_tokenizer(PROMPT, return_tensors="pt").input_ids
+    assert ids[0, 0].item() == 0  # BOS first, as in training
+    ours = load_model(model_dir, dtype="float32").model
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+        actual = ours.forward_causal(ids)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=50)
+@given(text=st.text())
+def test_tokenizer_round_trips_and_matches_transformers(tokenizer, hf_tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert tokenizer.encode(text) == hf_tokenizer(text).input_ids
+    assert tokenizer.encode(text) == [0] + ids
+
+
+def test_newline_is_its_own_token(tokenizer):
+    ids = tokenizer.encode("import os\n    x", add_special_tokens=False)
+    assert tokenizer.decode(ids[2:3]) == "\n"
+
+
+def test_heldout_loss_matches_card(model_dir, hf_model, summary):
+    windows = torch.tensor(json.loads((model_dir / "heldout_tokens.json").read_text())["token_ids"])
+    total = 0.0
+    with torch.no_grad():
+        for chunk in windows.split(16):
+            logits = hf_model(chunk[:, :-1]).logits
+            total += F.cross_entropy(
+                logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
+            ).item()
+    loss = total / windows[:, 1:].numel()
+    evaluation = summary["evaluation"]
+    assert loss == pytest.approx(evaluation["heldout_loss"], abs=HELDOUT_LOSS_ATOL)
+    assert math.exp(loss) == pytest.approx(evaluation["heldout_perplexity"], rel=HELDOUT_LOSS_ATOL)
+    card = (model_dir / "README.md").read_text()
+    assert f"{evaluation['heldout_loss']:.4f} nats/token" in card
+    assert f"{summary['num_parameters']:,}" in card
+
+
+def test_parameter_count_in_summary(model_dir, hf_model, summary):
+    assert summary["num_parameters"] == sum(p.numel() for p in hf_model.parameters())
+
+
+def test_draft_agreement_is_recorded():
+    acceptance = json.loads((MODELS_DIR / NAMES[1] / "training_summary.json").read_text())[
+        "evaluation"
+    ]["acceptance"]
+    assert 0.0 < acceptance["greedy_acceptance_rate"] <= 1.0
+    assert acceptance["mean_tokens_per_round"] == pytest.approx(
+        acceptance["mean_accepted_per_round"] + 1, abs=1e-3
+    )
+
+
+def test_greedy_generation_is_deterministic_and_matches_transformers(model_dir, hf_model):
+    llm = LLM(model_dir, dtype="float32", num_gpu_blocks=64, device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["class Stack:", "for i in range("]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    second = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert first == second
+    tokenizer = llm.get_tokenizer()
+    for prompt, ids in zip(prompts, first, strict=True):
+        prompt_ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.no_grad():
+            expected = hf_model.generate(
+                prompt_ids, max_new_tokens=24, do_sample=False, eos_token_id=None
+            )
+        assert list(ids) == expected[0, prompt_ids.shape[1] :].tolist()
