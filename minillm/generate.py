@@ -71,7 +71,7 @@ def _stream(llm, prompt: str, params):
     output = None
     for output in llm.stream(prompt, params):
         print(output.outputs[0].delta_text, end="", flush=True)
-    print()
+    print(flush=True)
     return output
 
 
