@@ -187,11 +187,11 @@ def bench_offline(args: argparse.Namespace) -> dict:
         )
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_name(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "model": str(model_path),
+        "model": str(args.model or DEFAULT_MODEL),
         "dtype": args.dtype,
         "workload": {
             "num_requests": len(workload.prompts),
@@ -211,6 +211,18 @@ def bench_offline(args: argparse.Namespace) -> dict:
         ],
         "speedup_vs": {r.system: baseline / r.output_tokens_per_s for r in results[1:]},
     }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
