@@ -1,0 +1,253 @@
+"""The checks of the scheduling exercises reject plausible wrong answers.
+
+As for chapter 0: the solution's cells define the functions, then each graded cell runs once
+with the solution (it must pass), once with the stub (NotImplementedError), and once per
+wrong answer (it must fail with an AssertionError).
+"""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.inputtransformer2 import TransformerManager
+
+from minillm.grading import graded_cells, read_notebook
+
+from .conftest import ROOT
+
+SOLUTION = ROOT / "solutions" / "ch04_scheduling.ipynb"
+EXERCISE = ROOT / "exercises" / "ch04_scheduling.ipynb"
+
+RIGHT_PLAN = [
+    {"A": 6, "B": 2},
+    {"A": 1, "B": 1, "C": 6},
+    {"A": 1, "B": 1, "C": 4},
+    {"B": 1, "C": 1},
+    {"C": 1},
+]
+
+
+def waiting_first(running, waiting, budget, max_num_seqs):
+    plan, n = [], len(running)
+    for rid, left in waiting:
+        if budget == 0 or n >= max_num_seqs:
+            break
+        plan.append((rid, min(left, budget)))
+        budget -= plan[-1][1]
+        n += 1
+    for rid, left in running:
+        if budget == 0:
+            break
+        plan.append((rid, min(left, budget)))
+        budget -= plan[-1][1]
+    return plan
+
+
+def budget_rule(seats=True, chunk=True, share=True, reverse=False):
+    """The right rule with one thing left out."""
+
+    def step(running, waiting, budget, max_num_seqs):
+        plan, n = [], len(running)
+        for rid, left in reversed(running) if reverse else running:
+            if budget == 0:
+                break
+            plan.append((rid, min(left, budget)))
+            if share:
+                budget -= plan[-1][1]
+        for rid, prompt in waiting:
+            if budget == 0 or (seats and n >= max_num_seqs):
+                break
+            if not chunk and prompt > budget:
+                break
+            plan.append((rid, min(prompt, budget)))
+            if share:
+                budget -= plan[-1][1]
+            n += 1
+        return plan
+
+    return step
+
+
+def idle(batch_width, longest):
+    def count(output_lens, batch_size):
+        total = 0
+        for start in range(0, len(output_lens), batch_size):
+            batch = output_lens[start : start + batch_size]
+            width = batch_width(batch, batch_size)
+            total += width * longest(batch, output_lens) - sum(batch)
+        return total
+
+    return count
+
+
+def hold_next(samples, end_s):
+    """Each interval takes the value of the sample that ends it."""
+    total, previous_t = 0.0, 0.0
+    for t, v in samples:
+        total += v * (t - previous_t)
+        previous_t = t
+    return total / end_s
+
+
+def admit(vllm_need, trt_need, sglang_strict=True, stop=True):
+    def count(engine, prompts, max_new, capacity):
+        left, admitted = capacity, 0
+        for p, m in zip(prompts, max_new, strict=True):
+            if engine == "vllm":
+                need, fits = vllm_need(p, m), vllm_need(p, m) <= left
+            elif engine == "trtllm":
+                need, fits = trt_need(p, m), trt_need(p, m) <= left
+            else:
+                need = p + m
+                fits = need < left if sglang_strict else need <= left
+            if not fits:
+                if stop:
+                    break
+                continue
+            left -= need
+            admitted += 1
+        return admitted
+
+    return count
+
+
+def right_victim(engine, running):
+    if engine == "vllm":
+        return running[-1][0]
+    return min(running, key=lambda r: (r[2], -r[1]))[0]
+
+
+WRONG_ANSWERS = {
+    "my_plan": {
+        "B not cut by the budget": lambda: [{"A": 6, "B": 3}, *RIGHT_PLAN[1:]],
+        "waiting before running": lambda: [{"A": 6, "B": 2}, {"C": 8}, *RIGHT_PLAN[2:]],
+        "decodes not charged to the budget": lambda: [
+            {"A": 6, "B": 2},
+            {"A": 1, "B": 1, "C": 8},
+            {"A": 1, "B": 1, "C": 2},
+            {"B": 1, "C": 1},
+            {"C": 1},
+        ],
+        "first token one step late": lambda: [
+            *RIGHT_PLAN[:3],
+            {"A": 1, "B": 1, "C": 1},
+            {"B": 1, "C": 1},
+            {"C": 1},
+        ],
+        "one step short": lambda: RIGHT_PLAN[:-1],
+    },
+    "schedule_step": {
+        "waiting first": waiting_first,
+        "no seat limit": budget_rule(seats=False),
+        "whole prompts only": budget_rule(chunk=False),
+        "budget not shared": budget_rule(share=False),
+        "newest running first": budget_rule(reverse=True),
+    },
+    "static_idle_slot_steps": {
+        "last batch counted by its requests": idle(lambda b, s: len(b), lambda b, a: max(b)),
+        "longest request of all": idle(lambda b, s: s, lambda b, a: max(a)),
+        "busy slot-steps": lambda lens, size: sum(lens),
+    },
+    "littles_law": {
+        "W = L * λ": lambda lam, w, n: lam * w if n is None else (n * lam if w is None else n / w),
+        "L = λ / W": lambda lam, w, n: lam / w if n is None else (n / lam if w is None else n / w),
+        "λ = L * W": lambda lam, w, n: lam * w if n is None else (n / lam if w is None else n * w),
+    },
+    "should_shed": {
+        "at or above the target": lambda q, rate, slo: q / rate >= slo,
+        "queue times rate": lambda q, rate, slo: q * rate > slo,
+        "counts itself": lambda q, rate, slo: (q + 1) / rate > slo,
+    },
+    "gauge_time_average": {
+        "plain mean of the samples": lambda s, end: sum(v for _, v in s) / len(s),
+        "from the first sample": lambda s, end: (
+            sum(v * ((s[k + 1][0] if k + 1 < len(s) else end) - t) for k, (t, v) in enumerate(s))
+            / (end - s[0][0])
+        ),
+        "value of the next sample": hold_next,
+    },
+    "pick_chunk_size": {
+        "smallest that meets the target": lambda m, slo: min(
+            (s for s, (p, _) in m.items() if p <= slo), default=None
+        ),
+        "strictly below the target": lambda m, slo: max(
+            (s for s, (p, _) in m.items() if p < slo), default=None
+        ),
+        "largest overall": lambda m, slo: max(m),
+        "fastest TTFT that meets the target": lambda m, slo: min(
+            (s for s, (p, _) in m.items() if p <= slo), key=lambda s: m[s][1], default=None
+        ),
+    },
+    "admitted_on_empty_pool": {
+        "SGLang not strict": admit(lambda p, m: p, lambda p, m: p + m, sglang_strict=False),
+        "TensorRT-LLM reserves the prompt only": admit(lambda p, m: p, lambda p, m: p),
+        "vLLM reserves max_tokens": admit(lambda p, m: p + m, lambda p, m: p + m),
+        "skips a request that does not fit": admit(lambda p, m: p, lambda p, m: p + m, stop=False),
+    },
+    "victim": {
+        "vLLM takes the oldest": lambda e, r: r[0][0] if e == "vllm" else right_victim(e, r),
+        "SGLang takes the most outputs": lambda e, r: (
+            right_victim(e, r) if e == "vllm" else max(r, key=lambda x: x[2])[0]
+        ),
+        "SGLang ties by shortest prompt": lambda e, r: (
+            right_victim(e, r) if e == "vllm" else min(r, key=lambda x: (x[2], x[1]))[0]
+        ),
+    },
+}
+CASES = [(name, label) for name, wrong in WRONG_ANSWERS.items() for label in wrong]
+
+
+def run(source: str, namespace: dict) -> None:
+    exec(compile(TransformerManager().transform_cell(source), "<cell>", "exec"), namespace)
+
+
+def setup(path) -> tuple[dict, dict[str, str]]:
+    """Run the non-graded cells; returns the namespace and {function: its check's source}."""
+    nb = read_notebook(path)
+    graded = graded_cells(nb)
+    namespace: dict = {}
+    checks: dict[str, str] = {}
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or i in graded:
+            continue
+        run(cell.source, namespace)
+        for name in WRONG_ANSWERS:
+            if f"def {name}(" in cell.source:
+                check = next(j for j in sorted(graded) if j > i)
+                checks[name] = nb.cells[check].source
+    return namespace, checks
+
+
+@pytest.fixture(scope="module")
+def solution():
+    return setup(SOLUTION)
+
+
+def test_nine_graded_cells_worth_twenty_four_points():
+    assert list(graded_cells(read_notebook(SOLUTION)).values()) == [2, 4, 3, 2, 2, 3, 3, 3, 2]
+
+
+def test_each_exercise_has_its_check(solution):
+    _, checks = solution
+    assert sorted(checks) == sorted(WRONG_ANSWERS)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
+def test_check_passes_on_the_solution(solution, name):
+    namespace, checks = solution
+    run(checks[name], dict(namespace))
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
+def test_check_fails_on_the_stub(name):
+    namespace, checks = setup(EXERCISE)
+    with pytest.raises(NotImplementedError):
+        run(checks[name], namespace)
+
+
+@pytest.mark.parametrize("name, label", CASES, ids=[f"{n}-{w}" for n, w in CASES])
+def test_check_rejects_a_plausible_wrong_answer(solution, name, label):
+    namespace, checks = solution
+    namespace = dict(namespace)
+    namespace[name] = WRONG_ANSWERS[name][label]
+    with pytest.raises(AssertionError):
+        run(checks[name], namespace)
