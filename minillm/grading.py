@@ -8,6 +8,17 @@ costs only its own points.
 
     minillm grade exercises/ch00_conventions.ipynb
     minillm grade submissions/ --report grades.csv --timeout 120
+    minillm grade submissions/ --reference exercises/
+
+With `--reference`, the checks come from the instructor's copy, not the student's: each
+graded cell of the reference notebook (the released exercise of the same file name, when
+the reference is a folder) replaces the submission's cell of the same cell id before the
+notebook runs, and only the reference's graded cells count, with its points. A student
+who edits, deletes or adds a check cell therefore changes nothing but their own code; a
+check cell missing from the submission scores zero. When the submission holds none of
+the reference's cell ids (a tool rewrote them), graded cells are matched in order, and
+both notebooks must have the same number of them. Cell numbers in the report are then
+the reference's, so that they line up across students.
 
 A folder stands for every `*.ipynb` below it, in sorted order. A notebook that cannot
 run at all (not valid JSON, not a notebook, its kernel died) is reported with the
@@ -186,27 +197,106 @@ def score_cells(nb: nbformat.NotebookNode, errors: dict[int, str | None]) -> lis
     ]
 
 
+def restore_graded_cells(
+    submission: nbformat.NotebookNode, reference: nbformat.NotebookNode
+) -> dict[int, int | None]:
+    """Put the reference's graded cells into `submission`, in place.
+
+    Returns {reference cell index: submission cell index, or None when the submission
+    has no such cell}. Cells are matched by id; when no reference graded cell's id occurs
+    in the submission, the k-th graded cell of each is matched instead (ValueError if
+    their numbers differ). A cell of the submission marked `# GRADED` that the reference
+    does not grade loses its marker, so that it cannot earn points.
+    """
+    wanted = graded_cells(reference)
+    by_id = {cell.get("id"): i for i, cell in enumerate(submission.cells)}
+    matches = {i: by_id.get(reference.cells[i].get("id")) for i in wanted}
+    if wanted and all(j is None for j in matches.values()):
+        theirs = list(graded_cells(submission))
+        if len(theirs) != len(wanted):
+            raise ValueError(
+                f"cell ids differ from the reference's and the submission has {len(theirs)} "
+                f"graded cells where the reference has {len(wanted)}"
+            )
+        matches = dict(zip(wanted, theirs))
+    restored = {j for j in matches.values() if j is not None}
+    for i, j in matches.items():
+        if j is not None:
+            submission.cells[j] = nbformat.v4.new_code_cell(reference.cells[i].source)
+            submission.cells[j].id = reference.cells[i].get("id", submission.cells[j].id)
+    for j, cell in enumerate(submission.cells):
+        if j not in restored and cell.cell_type == "code" and graded_points(cell.source):
+            cell.source = GRADED_RE.sub("# (not graded: not a graded cell of the reference)",
+                                        cell.source)
+    return matches
+
+
+def reference_for(path: pathlib.Path, reference: pathlib.Path) -> pathlib.Path:
+    """The reference notebook of a submission: `reference` itself, or its namesake inside."""
+    return reference / path.name if reference.is_dir() else reference
+
+
 def grade_notebook(
-    path: str | os.PathLike[str], timeout_s: int = DEFAULT_TIMEOUT_S
+    path: str | os.PathLike[str],
+    timeout_s: int = DEFAULT_TIMEOUT_S,
+    reference: str | os.PathLike[str] | None = None,
 ) -> NotebookGrade:
     """Run the notebook at `path` and score its graded cells.
 
+    With `reference` (a notebook, or a folder holding one of the same file name), the
+    graded cells and their points are the reference's (see `restore_graded_cells`).
     A notebook that cannot be read or run gives a NotebookGrade with `error` set; its
     graded cells (when it could be read) are listed as failed.
     """
     path = pathlib.Path(path)
+    ref_nb = None
+    if reference is not None:
+        ref_path = reference_for(path, pathlib.Path(reference))
+        try:
+            ref_nb = read_notebook(ref_path)
+        except NotebookReadError as exc:
+            return NotebookGrade(str(path), cells=[], error=f"reference {ref_path}: {exc}")
     try:
         nb = read_notebook(path)
     except NotebookReadError as exc:
-        return NotebookGrade(str(path), cells=[], error=str(exc))
+        failed = score_reference(ref_nb, {}, {}) if ref_nb is not None else []
+        return NotebookGrade(str(path), cells=failed, error=str(exc))
+    matches = None
+    if ref_nb is not None:
+        try:
+            matches = restore_graded_cells(nb, ref_nb)
+        except ValueError as exc:
+            failed = score_reference(ref_nb, {}, {})
+            return NotebookGrade(str(path), cells=failed, error=f"cannot grade: {exc}")
     try:
         errors = execute_notebook(nb, path.resolve().parent, timeout_s)
     # A batch of submissions must survive any one of them: the kernel can fail to
     # start, die, or stop answering, and nbclient reports each with its own exception.
     except Exception as exc:
         message = f"did not run: {type(exc).__name__}: {exc}".strip()
-        return NotebookGrade(str(path), cells=score_cells(nb, {}), error=message)
-    return NotebookGrade(str(path), cells=score_cells(nb, errors))
+        errors, error = {}, message
+    else:
+        error = None
+    if matches is None:
+        return NotebookGrade(str(path), cells=score_cells(nb, errors), error=error)
+    return NotebookGrade(str(path), cells=score_reference(ref_nb, matches, errors), error=error)
+
+
+def score_reference(
+    reference: nbformat.NotebookNode,
+    matches: dict[int, int | None],
+    errors: dict[int, str | None],
+) -> list[CellGrade]:
+    """Grade the reference's graded cells from the errors of their matched submission cells."""
+    grades = []
+    for i, points in graded_cells(reference).items():
+        j = matches.get(i)
+        if j is None:
+            error = "missing from the submission" if matches else "not run"
+        else:
+            error = errors.get(j, "not run")
+        grades.append(CellGrade(i, points, passed=j is not None and error is None, error=error))
+    return grades
 
 
 def collect_notebooks(paths: list[str]) -> tuple[list[pathlib.Path], list[str]]:
@@ -285,6 +375,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also write the grades to FILE.json or FILE.csv",
     )
     parser.add_argument(
+        "--reference",
+        type=pathlib.Path,
+        metavar="PATH",
+        help="take the graded cells and points from this notebook, or from the notebook "
+        "of the same name in this folder (e.g. exercises/)",
+    )
+    parser.add_argument(
         "--timeout",
         type=int,
         default=DEFAULT_TIMEOUT_S,
@@ -303,10 +400,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         print(f"minillm grade: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
         return 2
+    if args.reference is not None and not args.reference.exists():
+        print(f"minillm grade: --reference {args.reference}: no such file or folder",
+              file=sys.stderr)
+        return 2
     notebooks, problems = collect_notebooks(args.paths)
     for problem in problems:
         print(f"minillm grade: {problem}", file=sys.stderr)
-    grades = [grade_notebook(path, args.timeout) for path in notebooks]
+    grades = [grade_notebook(path, args.timeout, args.reference) for path in notebooks]
     if grades:
         print(format_table(grades))
     if args.report is not None:

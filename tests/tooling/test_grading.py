@@ -10,6 +10,7 @@ import csv
 import json
 import pathlib
 
+import nbformat
 import pytest
 
 from minillm.cli import main
@@ -223,3 +224,108 @@ def test_cli_exit_status_is_0_when_everything_ran_whatever_the_score(submissions
 def test_cli_rejects_bad_options_before_grading(argv, capsys):
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith("minillm grade: ")
+
+
+STUB = 'raise NotImplementedError("replace this line with your solution")'
+
+
+def filled_in(released: pathlib.Path, answers: dict[int, str]) -> nbformat.NotebookNode:
+    """The released notebook with the stub of cell i replaced by `answers[i]`."""
+    nb = nbformat.read(released, as_version=4)
+    for index, answer in answers.items():
+        replace_source(nb, index, STUB, answer)
+    return nb
+
+
+@pytest.fixture(scope="module")
+def tampered(tmp_path_factory):
+    """The released exercise as reference, and submissions that edit the checks."""
+    root = tmp_path_factory.mktemp("tampered")
+    write_notebook(root / "solutions" / "ex.ipynb", notebook(SOLUTION_CELLS))
+    release(root / "solutions", root / "reference", REPO_URL)
+    released = root / "reference" / "ex.ipynb"
+    right = {2: "return 2 * x", 6: "return sum(xs) / len(xs)"}
+    # square is wrong, and its check is weakened so that the wrong answer passes
+    weakened = filled_in(released, {**right, 4: "return 2 * x"})
+    weakened.cells[5].source = "# GRADED: 1 point\nassert True"
+    # a check the student wrote for themselves, worth a lot
+    weakened.cells.append(code("# GRADED: 50 points\nassert True"))
+    write_notebook(root / "class" / "weakened" / "ex.ipynb", weakened)
+    # the check of mean is deleted; the other answers are right
+    deleted = filled_in(released, {**right, 4: "return x * x"})
+    del deleted.cells[7]
+    write_notebook(root / "class" / "deleted" / "ex.ipynb", deleted)
+    # a tool gave every cell a new id; answers right, square's check weakened again
+    renamed = filled_in(released, {**right, 4: "return x + x"})
+    renamed.cells[5].source = "# GRADED: 1 point\nassert True"
+    for i, cell in enumerate(renamed.cells):
+        cell.id = f"other-{i}"
+    write_notebook(root / "class" / "renamed" / "ex.ipynb", renamed)
+    # new ids and one graded cell fewer: nothing to match by
+    unmatched = nbformat.from_dict(dict(renamed))
+    del unmatched.cells[7]
+    write_notebook(root / "class" / "unmatched" / "ex.ipynb", unmatched)
+    return root
+
+
+def test_without_a_reference_edited_checks_count(tampered):
+    grade = grade_notebook(tampered / "class" / "weakened" / "ex.ipynb", TIMEOUT_S)
+    assert (grade.points, grade.max_points) == (56, 56)
+
+
+def test_the_reference_restores_edited_checks_and_ignores_added_ones(tampered):
+    grade = grade_notebook(
+        tampered / "class" / "weakened" / "ex.ipynb", TIMEOUT_S, tampered / "reference"
+    )
+    assert grade.error is None
+    assert scores(grade) == {3: 2, 5: 0, 7: 3}
+    assert grade.cells[1].error == "AssertionError"
+    assert (grade.points, grade.max_points) == (5, 6)
+
+
+def test_a_deleted_check_scores_zero_with_the_reference(tampered):
+    grade = grade_notebook(
+        tampered / "class" / "deleted" / "ex.ipynb", TIMEOUT_S, tampered / "reference" / "ex.ipynb"
+    )
+    assert grade.error is None
+    assert scores(grade) == {3: 2, 5: 1, 7: 0}
+    assert grade.cells[2].error == "missing from the submission"
+
+
+def test_graded_cells_are_matched_in_order_when_no_id_matches(tampered):
+    grade = grade_notebook(
+        tampered / "class" / "renamed" / "ex.ipynb", TIMEOUT_S, tampered / "reference"
+    )
+    assert grade.error is None
+    assert scores(grade) == {3: 2, 5: 0, 7: 3}
+
+
+def test_unmatchable_graded_cells_fail_with_a_reason(tampered):
+    grade = grade_notebook(
+        tampered / "class" / "unmatched" / "ex.ipynb", TIMEOUT_S, tampered / "reference"
+    )
+    assert grade.error == (
+        "cannot grade: cell ids differ from the reference's and the submission has 2 graded "
+        "cells where the reference has 3"
+    )
+    assert (grade.points, grade.max_points) == (0, 6)
+    assert [cell.index for cell in grade.cells] == [3, 5, 7]
+
+
+def test_a_missing_reference_is_reported_per_submission(tampered, tmp_path):
+    grade = grade_notebook(tampered / "class" / "deleted" / "ex.ipynb", TIMEOUT_S, tmp_path)
+    assert grade.error == f"reference {tmp_path / 'ex.ipynb'}: cannot read: " + (
+        f"[Errno 2] No such file or directory: '{tmp_path / 'ex.ipynb'}'"
+    )
+    assert grade.cells == []
+
+
+def test_cli_grades_against_a_reference_folder(tampered, tmp_path, capsys):
+    report = tmp_path / "grades.json"
+    submission = tampered / "class" / "weakened" / "ex.ipynb"
+    argv = ["grade", str(submission), "--reference", str(tampered / "reference")]
+    assert main([*argv, "--report", str(report)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split() == [str(submission), "total", "5/6"]
+    assert json.loads(report.read_text())["notebooks"][0]["points"] == 5
+    assert main(["grade", str(submission), "--reference", str(tmp_path / "nope")]) == 2
+    assert "--reference" in capsys.readouterr().err
