@@ -8,11 +8,11 @@ the stub (NotImplementedError), and once per wrong answer (it must fail).
 from __future__ import annotations
 
 import pytest
-from IPython.core.inputtransformer2 import TransformerManager
 
 from minillm.grading import graded_cells, read_notebook
 
 from .conftest import ROOT
+from .exercise_checks import exercise_namespace, run_cell as run
 
 SOLUTION = ROOT / "solutions" / "ch00_conventions.ipynb"
 EXERCISE = ROOT / "exercises" / "ch00_conventions.ipynb"
@@ -52,27 +52,8 @@ WRONG_ANSWERS = {
 CASES = [(name, label) for name, wrong in WRONG_ANSWERS.items() for label in wrong]
 
 
-def run(source: str, namespace: dict) -> None:
-    # The bootstrap's %pip line becomes get_ipython().run_line_magic(...) in a branch
-    # that does not run here, since minillm imports.
-    exec(compile(TransformerManager().transform_cell(source), "<cell>", "exec"), namespace)
-
-
 def setup(path) -> tuple[dict, dict[str, str]]:
-    """Run the non-graded cells; returns the namespace and {function: its check's source}."""
-    nb = read_notebook(path)
-    graded = graded_cells(nb)
-    namespace: dict = {}
-    checks: dict[str, str] = {}
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code" or i in graded:
-            continue
-        run(cell.source, namespace)
-        for name in WRONG_ANSWERS:
-            if f"def {name}(" in cell.source:
-                check = next(j for j in sorted(graded) if j > i)
-                checks[name] = nb.cells[check].source
-    return namespace, checks
+    return exercise_namespace(path, WRONG_ANSWERS)
 
 
 @pytest.fixture(scope="module")

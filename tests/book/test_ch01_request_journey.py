@@ -11,11 +11,11 @@ import math
 
 import pytest
 import torch
-from IPython.core.inputtransformer2 import TransformerManager
 
 from minillm.grading import graded_cells, read_notebook
 
 from .conftest import ROOT
+from .exercise_checks import FromNamespace, exercise_namespace, wrong_in_place, run_cell as run
 
 SOLUTION = ROOT / "solutions" / "ch01_request_journey.ipynb"
 EXERCISE = ROOT / "exercises" / "ch01_request_journey.ipynb"
@@ -111,13 +111,6 @@ def concurrency(c, usable_bytes, context_len, dtype_bytes, heads=None, rounding=
     return max(0, rounding(usable_bytes / per_request))
 
 
-class FromNamespace:
-    """A wrong answer built from the notebook's namespace (it calls the notebook's objects)."""
-
-    def __init__(self, factory):
-        self.factory = factory
-
-
 def engine_generate(ns):
     def generate(model, prompt_ids, max_tokens):
         params = ns["SamplingParams"](temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -198,25 +191,8 @@ WRONG_ANSWERS = {
 CASES = [(name, label) for name, wrong in WRONG_ANSWERS.items() for label in wrong]
 
 
-def run(source: str, namespace: dict) -> None:
-    exec(compile(TransformerManager().transform_cell(source), "<cell>", "exec"), namespace)
-
-
 def setup(path) -> tuple[dict, dict[str, str]]:
-    """Run the non-graded cells; returns the namespace and {function: its check's source}."""
-    nb = read_notebook(path)
-    graded = graded_cells(nb)
-    namespace: dict = {}
-    checks: dict[str, str] = {}
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code" or i in graded:
-            continue
-        run(cell.source, namespace)
-        for name in WRONG_ANSWERS:
-            if f"def {name}(" in cell.source:
-                check = next(j for j in sorted(graded) if j > i)
-                checks[name] = nb.cells[check].source
-    return namespace, checks
+    return exercise_namespace(path, WRONG_ANSWERS)
 
 
 @pytest.fixture(scope="module")
@@ -249,10 +225,5 @@ def test_checks_fail_on_the_stubs():
 @pytest.mark.parametrize("name, label", CASES, ids=[f"{n}-{w}" for n, w in CASES])
 def test_check_rejects_a_plausible_wrong_answer(solution, name, label):
     namespace, checks = solution
-    namespace = dict(namespace)
-    wrong = WRONG_ANSWERS[name][label]
-    if isinstance(wrong, FromNamespace):
-        wrong = wrong.factory(dict(namespace))
-    namespace[name] = wrong
     with pytest.raises(AssertionError):
-        run(checks[name], namespace)
+        run(checks[name], wrong_in_place(namespace, name, WRONG_ANSWERS[name][label]))

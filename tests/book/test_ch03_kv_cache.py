@@ -8,17 +8,16 @@ with the stub (NotImplementedError), and once per wrong answer (it must fail).
 from __future__ import annotations
 
 import math
-import re
 from collections import deque
 
 import pytest
 import torch
-from IPython.core.inputtransformer2 import TransformerManager
 
 from minillm.block_pool import hash_block_tokens
 from minillm.grading import graded_cells, read_notebook
 
 from .conftest import ROOT
+from .exercise_checks import exercise_namespace, run_cell as run
 
 SOLUTION = ROOT / "solutions" / "ch03_kv_cache.ipynb"
 EXERCISE = ROOT / "exercises" / "ch03_kv_cache.ipynb"
@@ -288,28 +287,10 @@ WRONG_ANSWERS = {
 # wrong answers that need the notebook's namespace to be built
 NEEDS_NAMESPACE = {"measure_preemption"}
 CASES = [(name, label) for name, wrong in WRONG_ANSWERS.items() for label in wrong]
-DEFINITION = re.compile(r"^(?:def|class) (\w+)\b", re.MULTILINE)
-
-
-def run(source: str, namespace: dict) -> None:
-    exec(compile(TransformerManager().transform_cell(source), "<cell>", "exec"), namespace)
 
 
 def setup(path) -> tuple[dict, dict[str, str]]:
-    """Run the non-graded cells; returns the namespace and {name: its check's source}."""
-    nb = read_notebook(path)
-    graded = graded_cells(nb)
-    namespace: dict = {}
-    checks: dict[str, str] = {}
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code" or i in graded:
-            continue
-        run(cell.source, namespace)
-        for name in DEFINITION.findall(cell.source):
-            if name in WRONG_ANSWERS:
-                check = next(j for j in sorted(graded) if j > i)
-                checks[name] = nb.cells[check].source
-    return namespace, checks
+    return exercise_namespace(path, WRONG_ANSWERS)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,64 @@
+"""Run an exercise notebook's check cells in this process, to test the checks themselves.
+
+The tests of each chapter's exercises (test_chNN_*.py) run the notebook's non-graded
+cells here, without a kernel, and keep each graded cell's source. Then each graded cell
+runs with the solution (it must pass), with the released stub (NotImplementedError), and
+with each plausible wrong answer put in the solution's place (AssertionError).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+from collections.abc import Callable, Iterable
+
+from IPython.core.inputtransformer2 import TransformerManager
+
+from minillm.grading import graded_cells, read_notebook
+
+DEFINITION = re.compile(r"^(?:def|class) (\w+)\b", re.MULTILINE)
+
+
+def run_cell(source: str, namespace: dict) -> None:
+    """Execute a notebook cell's source in `namespace`, IPython syntax (%pip, !) included.
+
+    The bootstrap cell's %pip line becomes get_ipython().run_line_magic(...) in a branch
+    that does not run here, since minillm imports.
+    """
+    exec(compile(TransformerManager().transform_cell(source), "<cell>", "exec"), namespace)
+
+
+def exercise_namespace(path: pathlib.Path, names: Iterable[str]) -> tuple[dict, dict[str, str]]:
+    """Run the non-graded cells of a notebook; returns its namespace and {name: check}.
+
+    The check of a function or class in `names` is the first graded cell after the cell
+    that defines it at top level.
+    """
+    names = set(names)
+    nb = read_notebook(path)
+    graded = sorted(graded_cells(nb))
+    namespace: dict = {}
+    checks: dict[str, str] = {}
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code" or i in graded:
+            continue
+        run_cell(cell.source, namespace)
+        for name in DEFINITION.findall(cell.source):
+            if name in names:
+                checks[name] = nb.cells[next(j for j in graded if j > i)].source
+    return namespace, checks
+
+
+@dataclasses.dataclass(frozen=True)
+class FromNamespace:
+    """A wrong answer built from the notebook's namespace (it calls the notebook's objects)."""
+
+    factory: Callable[[dict], object]
+
+
+def wrong_in_place(namespace: dict, name: str, wrong: object) -> dict:
+    """A copy of `namespace` in which `name` is the wrong answer."""
+    namespace = dict(namespace)
+    namespace[name] = wrong.factory(dict(namespace)) if isinstance(wrong, FromNamespace) else wrong
+    return namespace

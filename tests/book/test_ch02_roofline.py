@@ -1,0 +1,205 @@
+"""The checks of chapter 2's exercises reject plausible wrong answers.
+
+As in test_ch00_conventions: the solution's non-graded cells run in this process, then each
+graded cell runs with the solution (it must pass), with the stub (NotImplementedError), and
+with each wrong answer in the solution's place (it must fail with an AssertionError).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from minillm import roofline
+from minillm.catalog import get_model_config
+from minillm.grading import graded_cells, read_notebook
+
+from .conftest import ROOT
+from .exercise_checks import FromNamespace, exercise_namespace, run_cell, wrong_in_place
+
+SOLUTION = ROOT / "solutions" / "ch02_roofline.ipynb"
+EXERCISE = ROOT / "exercises" / "ch02_roofline.ipynb"
+
+
+def gemm(flops_per_mac=2, count_activations=True, bits=False, inverted=False):
+    def gemm_cost(m, k, n, element_bytes):
+        flops = flops_per_mac * m * k * n
+        elements = m * k + k * n + m * n if count_activations else k * n
+        num_bytes = elements * element_bytes * (8 if bits else 1)
+        return flops, num_bytes, num_bytes / flops if inverted else flops / num_bytes
+
+    return gemm_cost
+
+
+def weights_only_tokens(k, n, element_bytes, target):
+    """Intensity 2m/b when only the weight is counted: m = ceil(target * b / 2)."""
+    return max(1, math.ceil(target * element_bytes / 2))
+
+
+def shifted(name, by):
+    return FromNamespace(lambda ns: lambda *a: None if ns[name](*a) is None else ns[name](*a) + by)
+
+
+def never_none(name, fallback):
+    return FromNamespace(lambda ns: lambda *a: fallback if ns[name](*a) is None else ns[name](*a))
+
+
+def decode_ops_with(mha=False, context_offset=0, attention_flops_per_pair=4, lm_head_per_token=1):
+    """The solution's decode_ops with one mistake: ignoring GQA, the context, 2 FLOPs, ..."""
+
+    def decode_ops(config, batch_size, context_len, element_bytes):
+        layers, h, d = config.num_hidden_layers, config.hidden_size, config.head_dim
+        q_size = config.num_attention_heads * d
+        kv_heads = config.num_attention_heads if mha else config.num_key_value_heads
+        kv_size = kv_heads * d
+        inter, vocab, b, t = config.intermediate_size, config.vocab_size, element_bytes, batch_size
+        ctx = context_len + context_offset
+        qkv_out = q_size + 2 * config.num_key_value_heads * d
+        return {
+            "qkv_proj": (layers * 2 * t * h * qkv_out, layers * (h * qkv_out + h) * b, 0),
+            "attention": (layers * batch_size * ctx * attention_flops_per_pair * q_size, 0,
+                          layers * batch_size * ctx * 2 * kv_size * b),
+            "o_proj": (layers * 2 * t * q_size * h, layers * q_size * h * b, 0),
+            "mlp": (layers * 3 * 2 * t * h * inter, layers * (3 * h * inter + h) * b, 0),
+            "lm_head": (2 * batch_size * lm_head_per_token * h * vocab, (h * vocab + h) * b, 0),
+        }
+
+    return decode_ops
+
+
+def ignores_kv_batch(weight_bytes, flops_per_seq, kv_bytes_per_seq, peak, bandwidth):
+    return math.ceil(peak / bandwidth * weight_bytes / flops_per_seq)
+
+
+def mean_time_s(fn, repeats):
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def no_warmup_time_s(fn, repeats):
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def highest_intensity_op():
+    cost = roofline.decode_step_cost(get_model_config("Llama 3.1 8B"), 64, 4096)
+    return max(cost.ops, key=lambda op: op.intensity).name
+
+
+def first_op_name():
+    return "qkv_proj"
+
+
+WRONG_ANSWERS = {
+    "gemm_cost": {
+        "one FLOP per multiply-add": gemm(flops_per_mac=1),
+        "weight bytes only": gemm(count_activations=False),
+        "bits, not bytes": gemm(bits=True),
+        "bytes per FLOP": gemm(inverted=True),
+    },
+    "tokens_to_reach": {
+        "weight bytes only": weights_only_tokens,
+        "one token too many": shifted("tokens_to_reach", 1),
+        "one token too few": shifted("tokens_to_reach", -1),
+        "never None": never_none("tokens_to_reach", 10**9),
+    },
+    "ridge_from_datasheet": {
+        "sparse figure taken as dense": lambda tf, sparse, bw: tf / bw,
+        "always halved": lambda tf, sparse, bw: tf / 2 / bw,
+        "bandwidth read as GB/s": lambda tf, sparse, bw: tf * 1e12 / (2 if sparse else 1) / (bw * 1e9),
+        "bytes per FLOP": lambda tf, sparse, bw: bw / (tf / (2 if sparse else 1)),
+    },
+    "step_floor_s": {
+        "sum of the floors": lambda f, b, p, bw: f / p + b / bw,
+        "the smaller floor": lambda f, b, p, bw: min(f / p, b / bw),
+        "compute floor only": lambda f, b, p, bw: f / p,
+    },
+    "decode_ops": {
+        "K and V with every query head": decode_ops_with(mha=True),
+        "context without the new token": decode_ops_with(context_offset=-1),
+        "2 FLOPs per query-key pair": decode_ops_with(attention_flops_per_pair=2),
+        "LM head over the whole context": FromNamespace(
+            lambda ns: lambda c, bsz, ctx, b: {
+                **ns["decode_ops"](c, bsz, ctx, b),
+                "lm_head": (2 * bsz * ctx * c.hidden_size * c.vocab_size,
+                            *ns["decode_ops"](c, bsz, ctx, b)["lm_head"][1:]),
+            }
+        ),
+    },
+    "decode_floor_s": {
+        "weights only": lambda w, kv, bsz, ctx, bw: w / bw,
+        "one sequence's KV": lambda w, kv, bsz, ctx, bw: (w + ctx * kv) / bw,
+        "weights read per sequence": lambda w, kv, bsz, ctx, bw: bsz * (w + ctx * kv) / bw,
+    },
+    "compute_bound_batch": {
+        "KV bytes ignored": ignores_kv_batch,
+        "one too many": shifted("compute_bound_batch", 1),
+        "never None": never_none("compute_bound_batch", 1),
+    },
+    "mbu_from_time": {
+        "a percentage": lambda w, kv, bsz, ctx, t, bw: 100 * (w + bsz * ctx * kv) / t / bw,
+        "weights only": lambda w, kv, bsz, ctx, t, bw: w / t / bw,
+        "one sequence's KV": lambda w, kv, bsz, ctx, t, bw: (w + ctx * kv) / t / bw,
+    },
+    "best_time_s": {
+        "mean, not the fastest": mean_time_s,
+        "no warm-up call": no_warmup_time_s,
+    },
+    "bytes_read_by_sum": {
+        "elements, not bytes": lambda x: x.numel(),
+        "bits, not bytes": lambda x: x.numel() * x.element_size() * 8,
+        "always 4 bytes per element": lambda x: x.numel() * 4,
+    },
+    "lowest_intensity_op": {
+        "the highest": highest_intensity_op,
+        "the first": first_op_name,
+    },
+    "longest_compute_bound_context": {
+        "one past the end": shifted("longest_compute_bound_context", 1),
+        "one short": shifted("longest_compute_bound_context", -1),
+    },
+}
+CASES = [(name, label) for name, wrong in WRONG_ANSWERS.items() for label in wrong]
+
+
+@pytest.fixture(scope="module")
+def solution():
+    return exercise_namespace(SOLUTION, WRONG_ANSWERS)
+
+
+def test_ten_graded_cells_worth_27_points():
+    assert list(graded_cells(read_notebook(SOLUTION)).values()) == [3, 3, 2, 2, 4, 3, 3, 2, 3, 2]
+
+
+def test_each_exercise_has_its_check(solution):
+    _, checks = solution
+    assert sorted(checks) == sorted(WRONG_ANSWERS)
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
+def test_check_passes_on_the_solution(solution, name):
+    namespace, checks = solution
+    run_cell(checks[name], dict(namespace))
+
+
+def test_checks_fail_on_the_stubs():
+    namespace, checks = exercise_namespace(EXERCISE, WRONG_ANSWERS)
+    for name in sorted(WRONG_ANSWERS):
+        with pytest.raises(NotImplementedError):
+            run_cell(checks[name], dict(namespace))
+
+
+@pytest.mark.parametrize("name, label", CASES, ids=[f"{n}-{w}" for n, w in CASES])
+def test_check_rejects_a_plausible_wrong_answer(solution, name, label):
+    namespace, checks = solution
+    with pytest.raises(AssertionError):
+        run_cell(checks[name], wrong_in_place(namespace, name, WRONG_ANSWERS[name][label]))
