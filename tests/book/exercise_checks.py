@@ -13,6 +13,7 @@ import pathlib
 import re
 from collections.abc import Callable, Iterable
 
+import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
 from minillm.grading import graded_cells, read_notebook
@@ -62,3 +63,56 @@ def wrong_in_place(namespace: dict, name: str, wrong: object) -> dict:
     namespace = dict(namespace)
     namespace[name] = wrong.factory(dict(namespace)) if isinstance(wrong, FromNamespace) else wrong
     return namespace
+
+
+class ExerciseChecks:
+    """The tests of one exercise notebook's checks; a chapter's test module subclasses it.
+
+    A subclass named Test... sets SOLUTION and EXERCISE (the two notebooks), POINTS (the
+    points of each graded cell, in order) and WRONG_ANSWERS ({function or class name:
+    {label: wrong answer, or FromNamespace(factory)}}).
+    """
+
+    SOLUTION: pathlib.Path
+    EXERCISE: pathlib.Path
+    POINTS: list[int]
+    WRONG_ANSWERS: dict[str, dict[str, object]]
+
+    def pytest_generate_tests(self, metafunc):
+        if "label" in metafunc.fixturenames:
+            cases = [(name, label) for name, wrong in self.WRONG_ANSWERS.items() for label in wrong]
+            metafunc.parametrize("name, label", cases, ids=[f"{n}-{w}" for n, w in cases])
+        elif "name" in metafunc.fixturenames:
+            metafunc.parametrize("name", sorted(self.WRONG_ANSWERS))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def solution(cls) -> tuple[dict, dict[str, str]]:
+        return exercise_namespace(cls.SOLUTION, cls.WRONG_ANSWERS)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def exercise(cls) -> tuple[dict, dict[str, str]]:
+        return exercise_namespace(cls.EXERCISE, cls.WRONG_ANSWERS)
+
+    def test_graded_cells_and_points(self):
+        assert list(graded_cells(read_notebook(self.SOLUTION)).values()) == self.POINTS
+
+    def test_each_exercise_has_its_check(self, solution):
+        _, checks = solution
+        assert sorted(checks) == sorted(self.WRONG_ANSWERS)
+
+    def test_check_passes_on_the_solution(self, solution, name):
+        namespace, checks = solution
+        run_cell(checks[name], dict(namespace))
+
+    def test_check_fails_on_the_stub(self, exercise, name):
+        namespace, checks = exercise
+        with pytest.raises(NotImplementedError):
+            run_cell(checks[name], dict(namespace))
+
+    def test_check_rejects_a_plausible_wrong_answer(self, solution, name, label):
+        namespace, checks = solution
+        wrong = self.WRONG_ANSWERS[name][label]
+        with pytest.raises(AssertionError):
+            run_cell(checks[name], wrong_in_place(namespace, name, wrong))

@@ -9,16 +9,10 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
-from minillm.grading import graded_cells, read_notebook
-
 from .conftest import ROOT
-from .exercise_checks import FromNamespace, exercise_namespace, wrong_in_place, run_cell as run
-
-SOLUTION = ROOT / "solutions" / "ch01_request_journey.ipynb"
-EXERCISE = ROOT / "exercises" / "ch01_request_journey.ipynb"
+from .exercise_checks import ExerciseChecks, FromNamespace
 
 
 def greedy_loop(model, prompt_ids, max_tokens, position=-1, keep_prompt=False):
@@ -188,42 +182,10 @@ WRONG_ANSWERS = {
         "stop token not counted": finish_with(("eos", "stop", "length"), count_stop_token=False),
     },
 }
-CASES = [(name, label) for name, wrong in WRONG_ANSWERS.items() for label in wrong]
 
 
-def setup(path) -> tuple[dict, dict[str, str]]:
-    return exercise_namespace(path, WRONG_ANSWERS)
-
-
-@pytest.fixture(scope="module")
-def solution():
-    return setup(SOLUTION)
-
-
-def test_ten_graded_cells_worth_twenty_five_points():
-    assert list(graded_cells(read_notebook(SOLUTION)).values()) == [2, 3, 2, 2, 3, 2, 2, 3, 3, 3]
-
-
-def test_each_exercise_has_its_check(solution):
-    _, checks = solution
-    assert sorted(checks) == sorted(WRONG_ANSWERS)
-
-
-@pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
-def test_check_passes_on_the_solution(solution, name):
-    namespace, checks = solution
-    run(checks[name], dict(namespace))
-
-
-def test_checks_fail_on_the_stubs():
-    namespace, checks = setup(EXERCISE)
-    for name in sorted(WRONG_ANSWERS):
-        with pytest.raises(NotImplementedError):
-            run(checks[name], dict(namespace))
-
-
-@pytest.mark.parametrize("name, label", CASES, ids=[f"{n}-{w}" for n, w in CASES])
-def test_check_rejects_a_plausible_wrong_answer(solution, name, label):
-    namespace, checks = solution
-    with pytest.raises(AssertionError):
-        run(checks[name], wrong_in_place(namespace, name, WRONG_ANSWERS[name][label]))
+class TestChecks(ExerciseChecks):
+    SOLUTION = ROOT / "solutions" / "ch01_request_journey.ipynb"
+    EXERCISE = ROOT / "exercises" / "ch01_request_journey.ipynb"
+    POINTS = [2, 3, 2, 2, 3, 2, 2, 3, 3, 3]
+    WRONG_ANSWERS = WRONG_ANSWERS

@@ -10,17 +10,12 @@ from __future__ import annotations
 import math
 import time
 
-import pytest
 
 from minillm import roofline
 from minillm.catalog import get_model_config
-from minillm.grading import graded_cells, read_notebook
 
 from .conftest import ROOT
-from .exercise_checks import FromNamespace, exercise_namespace, run_cell, wrong_in_place
-
-SOLUTION = ROOT / "solutions" / "ch02_roofline.ipynb"
-EXERCISE = ROOT / "exercises" / "ch02_roofline.ipynb"
+from .exercise_checks import ExerciseChecks, FromNamespace
 
 
 def gemm(flops_per_mac=2, count_activations=True, bits=False, inverted=False):
@@ -168,38 +163,10 @@ WRONG_ANSWERS = {
         "one short": shifted("longest_compute_bound_context", -1),
     },
 }
-CASES = [(name, label) for name, wrong in WRONG_ANSWERS.items() for label in wrong]
 
 
-@pytest.fixture(scope="module")
-def solution():
-    return exercise_namespace(SOLUTION, WRONG_ANSWERS)
-
-
-def test_ten_graded_cells_worth_27_points():
-    assert list(graded_cells(read_notebook(SOLUTION)).values()) == [3, 3, 2, 2, 4, 3, 3, 2, 3, 2]
-
-
-def test_each_exercise_has_its_check(solution):
-    _, checks = solution
-    assert sorted(checks) == sorted(WRONG_ANSWERS)
-
-
-@pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
-def test_check_passes_on_the_solution(solution, name):
-    namespace, checks = solution
-    run_cell(checks[name], dict(namespace))
-
-
-def test_checks_fail_on_the_stubs():
-    namespace, checks = exercise_namespace(EXERCISE, WRONG_ANSWERS)
-    for name in sorted(WRONG_ANSWERS):
-        with pytest.raises(NotImplementedError):
-            run_cell(checks[name], dict(namespace))
-
-
-@pytest.mark.parametrize("name, label", CASES, ids=[f"{n}-{w}" for n, w in CASES])
-def test_check_rejects_a_plausible_wrong_answer(solution, name, label):
-    namespace, checks = solution
-    with pytest.raises(AssertionError):
-        run_cell(checks[name], wrong_in_place(namespace, name, WRONG_ANSWERS[name][label]))
+class TestChecks(ExerciseChecks):
+    SOLUTION = ROOT / "solutions" / "ch02_roofline.ipynb"
+    EXERCISE = ROOT / "exercises" / "ch02_roofline.ipynb"
+    POINTS = [3, 3, 2, 2, 4, 3, 3, 2, 3, 2]
+    WRONG_ANSWERS = WRONG_ANSWERS

@@ -10,17 +10,12 @@ from __future__ import annotations
 import math
 from collections import deque
 
-import pytest
 import torch
 
 from minillm.block_pool import hash_block_tokens
-from minillm.grading import graded_cells, read_notebook
 
 from .conftest import ROOT
-from .exercise_checks import exercise_namespace, run_cell as run
-
-SOLUTION = ROOT / "solutions" / "ch03_kv_cache.ipynb"
-EXERCISE = ROOT / "exercises" / "ch03_kv_cache.ipynb"
+from .exercise_checks import ExerciseChecks, FromNamespace
 
 
 # -- wrong block allocators ---------------------------------------------------------------
@@ -220,7 +215,7 @@ def preemption(count: str):
 
         return measure_preemption
 
-    return measure
+    return FromNamespace(measure)
 
 
 WRONG_ANSWERS = {
@@ -284,54 +279,10 @@ WRONG_ANSWERS = {
         "all output tokens": preemption("all output tokens"),
     },
 }
-# wrong answers that need the notebook's namespace to be built
-NEEDS_NAMESPACE = {"measure_preemption"}
-CASES = [(name, label) for name, wrong in WRONG_ANSWERS.items() for label in wrong]
 
 
-def setup(path) -> tuple[dict, dict[str, str]]:
-    return exercise_namespace(path, WRONG_ANSWERS)
-
-
-@pytest.fixture(scope="module")
-def solution():
-    return setup(SOLUTION)
-
-
-@pytest.fixture(scope="module")
-def exercise():
-    return setup(EXERCISE)
-
-
-def test_ten_graded_cells_worth_23_points():
-    points = list(graded_cells(read_notebook(SOLUTION)).values())
-    assert points == [2, 2, 2, 3, 3, 3, 2, 2, 2, 2]
-    assert sum(points) == 23
-
-
-def test_each_exercise_has_its_check(solution):
-    _, checks = solution
-    assert sorted(checks) == sorted(WRONG_ANSWERS)
-
-
-@pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
-def test_check_passes_on_the_solution(solution, name):
-    namespace, checks = solution
-    run(checks[name], dict(namespace))
-
-
-@pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
-def test_check_fails_on_the_stub(exercise, name):
-    namespace, checks = exercise
-    with pytest.raises(NotImplementedError):
-        run(checks[name], dict(namespace))
-
-
-@pytest.mark.parametrize("name, label", CASES, ids=[f"{n}-{w}" for n, w in CASES])
-def test_check_rejects_a_plausible_wrong_answer(solution, name, label):
-    namespace, checks = solution
-    namespace = dict(namespace)
-    wrong = WRONG_ANSWERS[name][label]
-    namespace[name] = wrong(namespace) if name in NEEDS_NAMESPACE else wrong
-    with pytest.raises(AssertionError):
-        run(checks[name], namespace)
+class TestChecks(ExerciseChecks):
+    SOLUTION = ROOT / "solutions" / "ch03_kv_cache.ipynb"
+    EXERCISE = ROOT / "exercises" / "ch03_kv_cache.ipynb"
+    POINTS = [2, 2, 2, 3, 3, 3, 2, 2, 2, 2]
+    WRONG_ANSWERS = WRONG_ANSWERS

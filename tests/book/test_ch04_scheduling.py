@@ -7,15 +7,8 @@ wrong answer (it must fail with an AssertionError).
 
 from __future__ import annotations
 
-import pytest
-
-from minillm.grading import graded_cells, read_notebook
-
 from .conftest import ROOT
-from .exercise_checks import exercise_namespace, run_cell as run
-
-SOLUTION = ROOT / "solutions" / "ch04_scheduling.ipynb"
-EXERCISE = ROOT / "exercises" / "ch04_scheduling.ipynb"
+from .exercise_checks import ExerciseChecks
 
 RIGHT_PLAN = [
     {"A": 6, "B": 2},
@@ -193,44 +186,10 @@ WRONG_ANSWERS = {
         ),
     },
 }
-CASES = [(name, label) for name, wrong in WRONG_ANSWERS.items() for label in wrong]
 
 
-def setup(path) -> tuple[dict, dict[str, str]]:
-    return exercise_namespace(path, WRONG_ANSWERS)
-
-
-@pytest.fixture(scope="module")
-def solution():
-    return setup(SOLUTION)
-
-
-def test_nine_graded_cells_worth_twenty_four_points():
-    assert list(graded_cells(read_notebook(SOLUTION)).values()) == [2, 4, 3, 2, 2, 3, 3, 3, 2]
-
-
-def test_each_exercise_has_its_check(solution):
-    _, checks = solution
-    assert sorted(checks) == sorted(WRONG_ANSWERS)
-
-
-@pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
-def test_check_passes_on_the_solution(solution, name):
-    namespace, checks = solution
-    run(checks[name], dict(namespace))
-
-
-@pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
-def test_check_fails_on_the_stub(name):
-    namespace, checks = setup(EXERCISE)
-    with pytest.raises(NotImplementedError):
-        run(checks[name], namespace)
-
-
-@pytest.mark.parametrize("name, label", CASES, ids=[f"{n}-{w}" for n, w in CASES])
-def test_check_rejects_a_plausible_wrong_answer(solution, name, label):
-    namespace, checks = solution
-    namespace = dict(namespace)
-    namespace[name] = WRONG_ANSWERS[name][label]
-    with pytest.raises(AssertionError):
-        run(checks[name], namespace)
+class TestChecks(ExerciseChecks):
+    SOLUTION = ROOT / "solutions" / "ch04_scheduling.ipynb"
+    EXERCISE = ROOT / "exercises" / "ch04_scheduling.ipynb"
+    POINTS = [2, 4, 3, 2, 2, 3, 3, 3, 2]
+    WRONG_ANSWERS = WRONG_ANSWERS
