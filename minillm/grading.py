@@ -218,7 +218,7 @@ def restore_graded_cells(
                 f"cell ids differ from the reference's and the submission has {len(theirs)} "
                 f"graded cells where the reference has {len(wanted)}"
             )
-        matches = dict(zip(wanted, theirs))
+        matches = dict(zip(wanted, theirs, strict=True))
     restored = {j for j in matches.values() if j is not None}
     for i, j in matches.items():
         if j is not None:
@@ -226,8 +226,9 @@ def restore_graded_cells(
             submission.cells[j].id = reference.cells[i].get("id", submission.cells[j].id)
     for j, cell in enumerate(submission.cells):
         if j not in restored and cell.cell_type == "code" and graded_points(cell.source):
-            cell.source = GRADED_RE.sub("# (not graded: not a graded cell of the reference)",
-                                        cell.source)
+            cell.source = GRADED_RE.sub(
+                "# (not graded: not a graded cell of the reference)", cell.source
+            )
     return matches
 
 
@@ -401,8 +402,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"minillm grade: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
         return 2
     if args.reference is not None and not args.reference.exists():
-        print(f"minillm grade: --reference {args.reference}: no such file or folder",
-              file=sys.stderr)
+        print(
+            f"minillm grade: --reference {args.reference}: no such file or folder", file=sys.stderr
+        )
         return 2
     notebooks, problems = collect_notebooks(args.paths)
     for problem in problems:

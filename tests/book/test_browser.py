@@ -82,8 +82,9 @@ def expected_title(page: str) -> str:
 
 def straight_quotes(text: str) -> str:
     """Undo Sphinx's smart quotes, which turn the source's ' and " into typographic ones."""
-    return text.translate(str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"',
-                                         "\u201d": '"'}))
+    return text.translate(
+        str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
+    )
 
 
 def serve(html_dir: pathlib.Path, harness: str):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import time
 
-
 from minillm import roofline
 from minillm.catalog import get_model_config
 
@@ -54,8 +53,11 @@ def decode_ops_with(mha=False, context_offset=0, attention_flops_per_pair=4, lm_
         qkv_out = q_size + 2 * config.num_key_value_heads * d
         return {
             "qkv_proj": (layers * 2 * t * h * qkv_out, layers * (h * qkv_out + h) * b, 0),
-            "attention": (layers * batch_size * ctx * attention_flops_per_pair * q_size, 0,
-                          layers * batch_size * ctx * 2 * kv_size * b),
+            "attention": (
+                layers * batch_size * ctx * attention_flops_per_pair * q_size,
+                0,
+                layers * batch_size * ctx * 2 * kv_size * b,
+            ),
             "o_proj": (layers * 2 * t * q_size * h, layers * q_size * h * b, 0),
             "mlp": (layers * 3 * 2 * t * h * inter, layers * (3 * h * inter + h) * b, 0),
             "lm_head": (2 * batch_size * lm_head_per_token * h * vocab, (h * vocab + h) * b, 0),
@@ -110,7 +112,9 @@ WRONG_ANSWERS = {
     "ridge_from_datasheet": {
         "sparse figure taken as dense": lambda tf, sparse, bw: tf / bw,
         "always halved": lambda tf, sparse, bw: tf / 2 / bw,
-        "bandwidth read as GB/s": lambda tf, sparse, bw: tf * 1e12 / (2 if sparse else 1) / (bw * 1e9),
+        "bandwidth read as GB/s": lambda tf, sparse, bw: (
+            tf * 1e12 / (2 if sparse else 1) / (bw * 1e9)
+        ),
         "bytes per FLOP": lambda tf, sparse, bw: bw / (tf / (2 if sparse else 1)),
     },
     "step_floor_s": {
@@ -123,11 +127,15 @@ WRONG_ANSWERS = {
         "context without the new token": decode_ops_with(context_offset=-1),
         "2 FLOPs per query-key pair": decode_ops_with(attention_flops_per_pair=2),
         "LM head over the whole context": FromNamespace(
-            lambda ns: lambda c, bsz, ctx, b: {
-                **ns["decode_ops"](c, bsz, ctx, b),
-                "lm_head": (2 * bsz * ctx * c.hidden_size * c.vocab_size,
-                            *ns["decode_ops"](c, bsz, ctx, b)["lm_head"][1:]),
-            }
+            lambda ns: (
+                lambda c, bsz, ctx, b: {
+                    **ns["decode_ops"](c, bsz, ctx, b),
+                    "lm_head": (
+                        2 * bsz * ctx * c.hidden_size * c.vocab_size,
+                        *ns["decode_ops"](c, bsz, ctx, b)["lm_head"][1:],
+                    ),
+                }
+            )
         ),
     },
     "decode_floor_s": {

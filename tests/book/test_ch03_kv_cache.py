@@ -17,7 +17,6 @@ from minillm.block_pool import hash_block_tokens
 from .conftest import ROOT
 from .exercise_checks import ExerciseChecks, FromNamespace
 
-
 # -- wrong block allocators ---------------------------------------------------------------
 
 
