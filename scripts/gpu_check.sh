@@ -3,7 +3,8 @@
 #   1. the kernel and CUDA-graph tests compiled for the GPU (the interpreter tests' shapes,
 #      plus their GPU-marked real-size cases),
 #   2. every other GPU-marked test,
-#   3. the kernel benchmarks, which write results/kernels_<device>.json.
+#   3. the kernel benchmarks, which write results/kernels_<device>.json; the script's
+#      arguments go to them (`scripts/gpu_check.sh --quick` for fewer cases).
 # The test logs go to results/gpu_tests_<device>.txt. Exit status: non-zero if a test failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,10 @@ device=$("$PYTHON" -c "import torch; from benchmarks.kernels import device_slug
 print(device_slug(torch.cuda.get_device_name()))")
 log="results/gpu_tests_${device}.txt"
 
-run_tests() { "$PYTHON" -m pytest -q -p no:cacheprovider "$@"; }
+# compiling many kernel variants is CPU work: spread it over processes when xdist is there
+parallel=()
+"$PYTHON" -c "import xdist" 2>/dev/null && parallel=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))")
+run_tests() { "$PYTHON" -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@"; }
 {
     echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git rev-parse --short HEAD 2>/dev/null)"
     run_tests tests/kernels tests/engine/test_cuda_graphs.py
@@ -42,7 +46,7 @@ else
     other_tests=0
 fi
 
-"$PYTHON" -m benchmarks.kernels --out results
+"$PYTHON" -m benchmarks.kernels --out results "$@"
 benchmarks=$?
 echo "kernel tests: exit $kernel_tests; other GPU tests: exit $other_tests; benchmarks: exit $benchmarks"
 [ "$kernel_tests" -eq 0 ] && [ "$other_tests" -eq 0 ] && [ "$benchmarks" -eq 0 ]
