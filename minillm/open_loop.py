@@ -38,7 +38,7 @@ class TimedRequest:
 
 @dataclass(frozen=True, slots=True)
 class GaugeSample:
-    time_s: float  # seconds since the start of the run
+    time_s: float  # when the step began, in seconds since the start of the run
     num_waiting: int
     num_running: int
 
@@ -136,9 +136,13 @@ def run_open_loop(engine: LLMEngine, requests: Sequence[TimedRequest]) -> OpenLo
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, start + requests[order[next_index]].arrival_s - engine.clock()))
             continue
+        # the counts after a step hold while it runs: the queue changes only between steps
+        # (arrivals join it, the next schedule takes from it), so each sample is stamped with
+        # its step's start and held until the next step starts
+        step_start = engine.clock()
         engine.step()
         stats = engine.stats
-        run.gauge.append(GaugeSample(engine.clock() - start, stats.num_waiting, stats.num_running))
+        run.gauge.append(GaugeSample(step_start - start, stats.num_waiting, stats.num_running))
     run.end_time = engine.clock()
     run.metrics = metrics
     run.queued_times = queued_times
