@@ -10,6 +10,7 @@ there is no device: notional values stand in.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -46,3 +47,91 @@ def fit_num_stages(
     not even one does (the caller then shrinks its tiles)."""
     budget = max_shared_memory_bytes(device) - fixed_bytes
     return max(0, min(max_stages, budget // bytes_per_stage))
+
+
+@dataclass(frozen=True, slots=True)
+class ArchLimits:
+    """What one SM of a CUDA compute capability holds at once (CUDA C++ Programming Guide,
+    "Features and Technical Specifications", table of technical specifications per compute
+    capability; 1 KiB = 1024 bytes)."""
+
+    compute_capability: tuple[int, int]
+    shared_memory_per_sm: int  # bytes, shared by the programs resident on the SM
+    shared_memory_per_program: int  # bytes one program may use (opt-in maximum)
+    reserved_shared_memory_per_program: int  # bytes the system keeps per resident program
+    max_warps_per_sm: int
+    max_programs_per_sm: int  # "maximum number of resident blocks per SM"
+    registers_per_sm: int  # 32-bit registers
+    register_allocation_unit: int = 256  # registers are given to a warp in units of this
+
+
+ARCH_LIMITS: dict[tuple[int, int], ArchLimits] = {
+    limits.compute_capability: limits
+    for limits in (
+        ArchLimits((7, 5), 64 * 1024, 64 * 1024, 0, 32, 16, 65536),  # Turing: T4
+        ArchLimits((8, 0), 164 * 1024, 163 * 1024, 1024, 64, 32, 65536),  # A100
+        ArchLimits((8, 6), 100 * 1024, 99 * 1024, 1024, 48, 16, 65536),  # RTX 30xx, A10
+        ArchLimits((8, 9), 100 * 1024, 99 * 1024, 1024, 48, 24, 65536),  # Ada: L4, L40S, 4090
+        ArchLimits((9, 0), 228 * 1024, 227 * 1024, 1024, 64, 32, 65536),  # Hopper: H100, H200
+    )
+}
+
+# the compute capability of each NVIDIA GPU in `minillm.hardware`
+DEVICE_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
+    "H100 SXM": (9, 0),
+    "H200 SXM": (9, 0),
+    "A100 SXM 80GB": (8, 0),
+    "L40S": (8, 9),
+    "L4": (8, 9),
+    "T4": (7, 5),
+    "RTX 4090": (8, 9),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Occupancy:
+    programs_per_sm: int  # resident at once
+    warps_per_sm: int
+    fraction: float  # warps_per_sm / max_warps_per_sm
+    limiter: str  # "warps", "programs", "shared memory" or "registers"
+
+
+def occupancy(
+    compute_capability: tuple[int, int],
+    num_warps: int,
+    shared_bytes: int,
+    registers_per_thread: int = 0,
+) -> Occupancy:
+    """How many programs (thread blocks) of `num_warps` warps, each using `shared_bytes` of
+    shared memory and `registers_per_thread` registers, one SM holds at once; the least of
+    four limits, as CUDA's occupancy calculator computes it. 0 registers leaves registers
+    out of the count (they are known only once a kernel is compiled for a GPU)."""
+    if compute_capability not in ARCH_LIMITS:
+        raise ValueError(
+            f"no limits for compute capability {compute_capability}; known: {sorted(ARCH_LIMITS)}"
+        )
+    arch = ARCH_LIMITS[compute_capability]
+    if num_warps < 1 or num_warps > arch.max_warps_per_sm:
+        raise ValueError(f"num_warps must be in 1..{arch.max_warps_per_sm}, got {num_warps}")
+    if not 0 <= shared_bytes <= arch.shared_memory_per_program:
+        raise ValueError(
+            f"shared_bytes must be in 0..{arch.shared_memory_per_program} on "
+            f"sm_{compute_capability[0]}{compute_capability[1]}, got {shared_bytes}"
+        )
+    if not 0 <= registers_per_thread <= 255:
+        raise ValueError(f"registers_per_thread must be in 0..255, got {registers_per_thread}")
+    limits = {
+        "warps": arch.max_warps_per_sm // num_warps,
+        "programs": arch.max_programs_per_sm,
+    }
+    if shared_bytes:
+        per_program = shared_bytes + arch.reserved_shared_memory_per_program
+        limits["shared memory"] = arch.shared_memory_per_sm // per_program
+    if registers_per_thread:
+        unit = arch.register_allocation_unit
+        per_warp = -(-registers_per_thread * 32 // unit) * unit
+        limits["registers"] = (arch.registers_per_sm // per_warp) // num_warps
+    limiter = min(limits, key=limits.__getitem__)
+    programs = limits[limiter]
+    warps = programs * num_warps
+    return Occupancy(programs, warps, warps / arch.max_warps_per_sm, limiter)

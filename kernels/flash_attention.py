@@ -362,3 +362,17 @@ def flash_attention_bytes(
     new, prefix = sum(q_lens), sum(prefix_lens)
     elements = 2 * new * num_heads + 2 * new * num_kv_heads + 2 * prefix * num_kv_heads
     return elements * head_dim * itemsize
+
+
+def unfused_attention_bytes(
+    q_len: int, kv_len: int, num_heads: int, num_kv_heads: int, head_dim: int, itemsize: int
+) -> int:
+    """Bytes one sequence's attention moves as three kernels that store the score matrix.
+
+    S = scale q k^T is written ([num_heads, q_len, kv_len] at itemsize), softmax reads S and
+    writes P, and P v reads P: four passes over the matrix FlashAttention never stores,
+    added to the compulsory traffic (q, k and v read once, out written once).
+    """
+    matrix = num_heads * q_len * kv_len * itemsize
+    compulsory = (2 * q_len * num_heads + 2 * kv_len * num_kv_heads) * head_dim * itemsize
+    return 4 * matrix + compulsory

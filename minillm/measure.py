@@ -219,3 +219,39 @@ def measure_device(
         source_date=today.strftime("%Y-%m"),
         measured=True,
     )
+
+
+def measure_op_time(
+    num_elements: int,
+    device: str | torch.device | None = None,
+    ops_per_run: int = 200,
+    repeats: int = 5,
+) -> Measurement:
+    """Time one small elementwise operation, `torch.add(x, 1.0, out=y)` on float32 tensors
+    of `num_elements`, as the best time of `ops_per_run` back-to-back calls divided by
+    `ops_per_run`. Work: num_elements FLOPs; 8 * num_elements bytes (x read, y written).
+
+    Back-to-back calls let a GPU overlap each launch with the previous kernel, as an eager
+    model step does; so for tiny tensors the time per operation is the fixed cost of issuing
+    one (Python, PyTorch's dispatcher, the driver's launch), and for large ones the time to
+    move its bytes.
+    """
+    if num_elements < 1:
+        raise ValueError(f"num_elements must be >= 1, got {num_elements}")
+    if ops_per_run < 1:
+        raise ValueError(f"ops_per_run must be >= 1, got {ops_per_run}")
+    dev = resolve_device(device)
+    x = torch.ones(num_elements, device=dev, dtype=torch.float32)
+    y = torch.empty_like(x)
+
+    def run() -> None:
+        for _ in range(ops_per_run):
+            torch.add(x, 1.0, out=y)
+
+    seconds = best_time_s(run, repeats, dev) / ops_per_run
+    return Measurement(
+        what=f"add of {num_elements} float32",
+        flops=float(num_elements),
+        num_bytes=float(8 * num_elements),
+        seconds=seconds,
+    )

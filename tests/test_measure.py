@@ -68,3 +68,22 @@ def test_this_machine_is_a_measured_spec():
 
 def test_a_cpu_measures_float32():
     assert measure.default_matmul_dtype("cpu") == "float32"
+
+
+def test_op_time_counts_one_read_and_one_write_per_element():
+    run = measure.measure_op_time(1000, "cpu", ops_per_run=4, repeats=2)
+    assert run.num_bytes == 8000 and run.flops == 1000
+    assert 0 < run.seconds < 0.1
+    assert run.what == "add of 1000 float32"
+
+
+def test_op_time_divides_the_run_by_its_operations(monkeypatch):
+    calls = []
+    monkeypatch.setattr(measure, "best_time_s", lambda fn, repeats, dev: calls.append(fn) or 0.5)
+    assert measure.measure_op_time(10, "cpu", ops_per_run=50).seconds == 0.01
+    before = len(calls)
+    with pytest.raises(ValueError, match="num_elements must be >= 1"):
+        measure.measure_op_time(0, "cpu")
+    with pytest.raises(ValueError, match="ops_per_run must be >= 1"):
+        measure.measure_op_time(10, "cpu", ops_per_run=0)
+    assert len(calls) == before

@@ -24,7 +24,10 @@ import kernels.device
 from kernels import flash_attention, kv_cache, paged_decode, quant_matmul, rmsnorm, rope
 
 # opt-in shared memory per program (CUDA's cudaDevAttrMaxSharedMemoryPerBlockOptin)
-SHARED_MEMORY_BYTES = {80: 166912, 89: 101376, 90: 232448}
+SHARED_MEMORY_BYTES = {
+    major * 10 + minor: kernels.device.ARCH_LIMITS[(major, minor)].shared_memory_per_program
+    for major, minor in ((8, 0), (8, 9), (9, 0))
+}
 HEAD_DIM, GROUP = 128, 4
 
 

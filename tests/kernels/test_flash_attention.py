@@ -12,7 +12,9 @@ from kernels.flash_attention import (
     flash_attention_bytes,
     flash_attention_flops,
     flash_attention_reference,
+    unfused_attention_bytes,
 )
+from minillm.op_trace import total_bytes, trace_ops
 
 
 def make_inputs(q_lens, prefix_lens, num_kv_heads, group, head_dim, block_size, dtype, seed):
@@ -176,3 +178,25 @@ def test_flash_attention_at_real_sizes(dtype, head_dim):
     out = flash_attention(q, k, v, cu_seqlens, max(q_lens), scale, **prefix)
     expected = flash_attention_reference(q, k, v, cu_seqlens, scale, **prefix)
     assert_close(out, expected, ATTENTION_TOLERANCE[dtype])
+
+
+def test_unfused_attention_bytes_are_what_three_eager_ops_move():
+    # the oracle: trace S = q k^T, P = softmax(S), out = P v as eager ops and add up their
+    # bytes (one KV head per query head, so no head is repeated)
+    heads, q_len, kv_len, head_dim = 3, 5, 7, 8
+    q = torch.randn(heads, q_len, head_dim)
+    k, v = torch.randn(heads, kv_len, head_dim), torch.randn(heads, kv_len, head_dim)
+
+    def three_kernels():
+        return torch.bmm(torch.bmm(q, k.transpose(1, 2)).softmax(-1), v)
+
+    _, ops = trace_ops(three_kernels)
+    assert [op.name for op in ops] == ["bmm.default", "_softmax.default", "bmm.default"]
+    assert unfused_attention_bytes(q_len, kv_len, heads, heads, head_dim, 4) == total_bytes(ops)
+    # GQA shrinks only the compulsory K/V part; the score matrix is per query head
+    assert unfused_attention_bytes(2, 3, 8, 2, 4, 2) == 4 * 8 * 2 * 3 * 2 + (32 + 12) * 4 * 2
+    # FlashAttention moves only the compulsory part
+    flash = flash_attention_bytes([q_len], [0], heads, heads, head_dim, 4)
+    assert unfused_attention_bytes(q_len, q_len, heads, heads, head_dim, 4) - flash == (
+        4 * heads * q_len * q_len * 4
+    )
