@@ -29,6 +29,13 @@ emulation of the same program that is slow but exact enough to test against. So 
 which runs before any kernel module, sets TRITON_INTERPRET=1 when CUDA is unavailable and
 the user has not set the variable either way. Setting it after a kernel module is imported
 does nothing: launches then fail with "0 active drivers". `INTERPRETED` records the choice.
+The variable must also be set before `triton` itself is imported, since Triton's own
+library functions (`tl.sum`, `tl.max`, ...) are made interpretable or not as it loads.
+PyTorch imports triton on its own when something loads `torch._dynamo` (even constructing a
+module under a `torch.device` context can), which is why `minillm.model` imports this
+package first. When triton was already loaded without the interpreter, `LATE_INTERPRETER`
+is True and every launcher says so (see `kernels.checks.check_device`) instead of failing
+deep inside Triton.
 
 Two interpreter facts shape the kernels: bfloat16 `tl.dot` gives wrong numbers there, and
 float32 `tl.dot` is exact there (a GPU uses TF32 unless told otherwise). Every kernel
@@ -39,10 +46,13 @@ inputs are float32 on a GPU.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
+LATE_INTERPRETER = False
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    LATE_INTERPRETER = "triton" in sys.modules
     os.environ["TRITON_INTERPRET"] = "1"
 
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+import kernels
 from kernels import INTERPRETED
 
 
@@ -45,7 +46,16 @@ def check_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def check_device(name: str, t: torch.Tensor) -> None:
-    """Compiled kernels run on CUDA tensors; the interpreter also takes CPU ones."""
+    """Compiled kernels run on CUDA tensors; the interpreter also takes CPU ones, provided
+    it was switched on before triton was imported."""
+    if kernels.LATE_INTERPRETER:
+        raise RuntimeError(
+            "the kernels need Triton's interpreter here (no CUDA device), but triton was "
+            "imported before the kernels package could set TRITON_INTERPRET=1, so Triton's "
+            "library functions are not interpretable. Set TRITON_INTERPRET=1 in the "
+            "environment before starting Python, or import kernels (or minillm.model) before "
+            "anything that imports triton, such as torch.compile."
+        )
     if not INTERPRETED and t.device.type != "cuda":
         raise ValueError(
             f"{name} must be a cuda tensor (the kernels are compiled for the GPU), got {t.device}"

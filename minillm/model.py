@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# first: on a machine without CUDA it switches Triton's interpreter on, which must happen
+# before anything (here, torch._dynamo, which constructing a module can load) imports triton
+import kernels  # noqa: F401
 from minillm.attention import AttentionMetadata, get_attention_backend
 from minillm.config import ModelConfig
 from minillm.rope import RotaryEmbedding, apply_rope

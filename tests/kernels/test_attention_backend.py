@@ -1,6 +1,10 @@
 """The "triton" attention backend against the engine's reference backend, and the engine's
 greedy outputs with either backend on a tiny model (under the interpreter without CUDA)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -125,3 +129,39 @@ def test_greedy_outputs_are_identical_with_either_backend(model_dir):
     assert triton_outputs == torch_outputs
     assert all(len(tokens) == 6 for tokens in triton_outputs)
     assert stats.prefix_cache_hits > 0
+
+
+def run_fresh_python(code: str) -> subprocess.CompletedProcess:
+    """`code` in a new interpreter that has neither TRITON_INTERPRET nor a visible GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_triton_backend_runs_from_a_fresh_python_on_a_cpu():
+    # building the model loads torch._dynamo, which imports triton: minillm.model must have
+    # switched the interpreter on before that, or tl.sum & co. cannot be interpreted
+    code = (
+        "from minillm import LLM, SamplingParams\n"
+        "llm = LLM(attention_backend='triton', dtype='float32', max_model_len=64)\n"
+        "out = llm.generate(['def add(a, b):'], SamplingParams(temperature=0.0, max_tokens=2),"
+        " use_tqdm=False)\n"
+        "print(len(out[0].outputs[0].token_ids))\n"
+    )
+    result = run_fresh_python(code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == "2"
+
+
+def test_triton_imported_before_the_kernels_gets_a_clear_error():
+    code = (
+        "import torch, triton, kernels\n"
+        "from kernels.rmsnorm import rms_norm\n"
+        "rms_norm(torch.ones(2, 8), torch.ones(8), 1e-5)\n"
+    )
+    result = run_fresh_python(code)
+    assert result.returncode != 0
+    assert "triton was imported before the kernels package" in result.stderr
+    assert "TRITON_INTERPRET=1" in result.stderr
