@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels.device
 from kernels import INTERPRETED
 from kernels.checks import (
     check_contiguous,
@@ -47,7 +48,6 @@ from kernels.checks import (
     check_same_device,
     check_shape,
 )
-from kernels.device import fit_num_stages
 
 MAX_HEAD_DIM = 256
 
@@ -192,21 +192,34 @@ def _flash_attention_kernel(
     )
 
 
-def _launch_config(head_dim: int, itemsize: int, device: torch.device) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Under the interpreter each program step is
-    a NumPy call, so fewer, larger tiles are faster; 32 keeps test shapes multi-tile. On a
-    GPU: the largest tiles whose q tile, score tile and pipelined K/V tiles fit in shared
-    memory."""
-    if INTERPRETED:
-        return 32, 32, 4, 1
+def tile_shared_bytes(block_m: int, block_n: int, head_dim: int, itemsize: int, stages: int) -> int:
+    """Shared memory of one program's tiles: the q tile and the score tile, plus `stages`
+    pipelined copies of a K tile and a V tile."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    # BLOCK_M a multiple of BLOCK_N: the unmasked tiles must end where a block of rows begins
+    return (block_m * block_d + block_m * block_n + stages * 2 * block_n * block_d) * itemsize
+
+
+def tile_config(head_dim: int, itemsize: int, shared_memory_bytes: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) on a GPU that gives one program
+    `shared_memory_bytes`: the largest tiles whose q tile, score tile and at least one stage
+    of K/V tiles fit, pipelined up to 3 stages deep. BLOCK_M is a multiple of BLOCK_N: the
+    unmasked tiles must end where a block of rows begins."""
     for block_m, block_n in ((128, 64), (64, 64), (64, 32), (32, 32)):
-        fixed = (block_m * block_d + block_m * block_n) * itemsize
-        stages = fit_num_stages(fixed, 2 * block_n * block_d * itemsize, 3, device)
+        fixed = tile_shared_bytes(block_m, block_n, head_dim, itemsize, 0)
+        per_stage = tile_shared_bytes(block_m, block_n, head_dim, itemsize, 1) - fixed
+        stages = min(3, (shared_memory_bytes - fixed) // per_stage)
         if stages >= 1:
+            block_d = max(16, triton.next_power_of_2(head_dim))
             return block_m, block_n, 8 if block_m * block_d >= 128 * 128 else 4, stages
     return 16, 16, 4, 1
+
+
+def _launch_config(head_dim: int, itemsize: int, device: torch.device) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Under the interpreter each program step is
+    a NumPy call, so fewer, larger tiles are faster; 32 keeps test shapes multi-tile."""
+    if INTERPRETED:
+        return 32, 32, 4, 1
+    return tile_config(head_dim, itemsize, kernels.device.max_shared_memory_bytes(device))
 
 
 def flash_attention(

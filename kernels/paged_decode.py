@@ -57,7 +57,8 @@ MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
 # a split shorter than this costs more to merge than it gains (interpreter: one tile, so
 # that small test contexts still split)
-MIN_KEYS_PER_SPLIT = 32 if INTERPRETED else 256
+GPU_MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 32 if INTERPRETED else GPU_MIN_KEYS_PER_SPLIT
 
 
 @triton.jit
@@ -177,12 +178,18 @@ def _merge_splits_kernel(
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+def choose_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
+) -> int:
     """Splits per (sequence, KV head): fill num_sms about twice, splits of at least
-    MIN_KEYS_PER_SPLIT keys, at most MAX_SPLITS."""
+    min_keys_per_split keys, at most MAX_SPLITS."""
     programs = max(num_seqs * num_kv_heads, 1)
     wanted = triton.cdiv(2 * num_sms, programs)
-    longest = max(triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT), 1)
+    longest = max(triton.cdiv(max_seq_len, min_keys_per_split), 1)
     return max(1, min(wanted, longest, MAX_SPLITS))
 
 

@@ -6,12 +6,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernel_testing import ATTENTION_TOLERANCE, DEVICE, DTYPES, assert_close, random_block_tables
 
+from kernels.device import ARCH_LIMITS
 from kernels.flash_attention import (
     attended_pairs,
     flash_attention,
     flash_attention_bytes,
     flash_attention_flops,
     flash_attention_reference,
+    tile_config,
+    tile_shared_bytes,
     unfused_attention_bytes,
 )
 from minillm.op_trace import total_bytes, trace_ops
@@ -200,3 +203,22 @@ def test_unfused_attention_bytes_are_what_three_eager_ops_move():
     assert unfused_attention_bytes(q_len, q_len, heads, heads, head_dim, 4) - flash == (
         4 * heads * q_len * q_len * 4
     )
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_tile_config_fits_every_architecture(head_dim, itemsize):
+    for arch in ARCH_LIMITS.values():
+        budget = arch.shared_memory_per_program
+        block_m, block_n, _, stages = tile_config(head_dim, itemsize, budget)
+        assert block_m % block_n == 0
+        assert tile_shared_bytes(block_m, block_n, head_dim, itemsize, stages) <= budget
+
+
+def test_tile_config_worked_example():
+    # head_dim 128 in bfloat16 on Hopper (227 KiB): q tile 128x128 and score tile 128x64
+    # (48 KiB) plus 3 stages of 64x128 K and V tiles (32 KiB each) = 144 KiB
+    assert tile_config(128, 2, 227 * 1024) == (128, 64, 8, 3)
+    assert tile_shared_bytes(128, 64, 128, 2, 3) == 144 * 1024
+    # a 64 KiB budget (Turing): 128x64 does not fit even one stage (80 KiB), 64x64 does
+    assert tile_config(128, 2, 64 * 1024) == (64, 64, 4, 1)
