@@ -14,9 +14,9 @@ default backend over a contiguous KV cache for decode), and for the quantized ma
 the bfloat16 matmul they must beat and dequantize-then-matmul. A last table times a decode
 step of a Qwen3-0.6B-shaped model (random weights) with and without CUDA graphs.
 
-    python -m benchmarks.kernels [--quick] [--out results]
+    python -m benchmarks.kernels [--quick] [--out benchmarks/results]
 
-writes results/kernels_<device>.json (device, spec used, versions, date, every
+writes benchmarks/results/kernels_<device>.json (device, spec used, versions, date, every
 measurement, and the three goals below). It needs a CUDA GPU. Goals, measured and
 reported, never asserted: decode attention >= 70% of HBM bandwidth at batch 64 x 4k
 context; prefill attention within 1.5x of SDPA's FlashAttention; W4A16 at batch 1 faster
@@ -495,9 +495,60 @@ def versions() -> dict:
     }
 
 
+KERNEL_BENCHMARKS = {
+    "rmsnorm": bench_rmsnorm,
+    "rope": bench_rope,
+    "prefill": bench_prefill,
+    "decode": bench_decode,
+    "quant_matmul": bench_quant_matmul,
+}
+
+
+def run(quick: bool, only: list[str] | None = None, graphs: bool = True) -> dict:
+    """Run the benchmarks (all kernels, or those named in `only`) on this CUDA GPU, then the
+    CUDA-graph decode steps when `graphs`; return the results (what main writes)."""
+    unknown = set(only or ()) - set(KERNEL_BENCHMARKS)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; known: {list(KERNEL_BENCHMARKS)}")
+    global DTYPE
+    if not torch.cuda.is_bf16_supported():
+        DTYPE = torch.float16
+    name = torch.cuda.get_device_name()
+    spec = spec_for_cuda_name(name)
+    if spec is None:
+        from minillm.hardware import this_machine
+
+        print(f"{name} is not in the spec table; measuring its peaks instead", flush=True)
+        spec = this_machine("cuda")
+    print(f"{name}: roofline of {spec.name}", flush=True)
+    torch.manual_seed(0)
+    bench = Bench(spec)
+    for kernel, bench_fn in KERNEL_BENCHMARKS.items():
+        if only is None or kernel in only:
+            bench_fn(bench, quick)
+    decode_steps = bench_decode_step_graphs(quick) if graphs else []
+    goals = evaluate_goals(bench.measurements)
+    return {
+        "device": name,
+        "spec": spec.name,
+        "spec_measured": spec.measured,
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        "quick": quick,
+        "measurements": [asdict(m) for m in bench.measurements],
+        "decode_step_cuda_graphs": decode_steps,
+        "goals": goals,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results", help="folder for the JSON results file")
+    parser.add_argument(
+        "--out",
+        default=str(pathlib.Path(__file__).parent / "results"),
+        help="folder for the JSON results file (default: benchmarks/results)",
+    )
     parser.add_argument("--quick", action="store_true", help="one case per kernel")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -513,43 +564,11 @@ def main(argv: list[str] | None = None) -> int:
         print("unset TRITON_INTERPRET: the interpreter's timings mean nothing", file=sys.stderr)
         return 2
 
-    global DTYPE
-    if not torch.cuda.is_bf16_supported():
-        DTYPE = torch.float16
-    name = torch.cuda.get_device_name()
-    spec = spec_for_cuda_name(name)
-    if spec is None:
-        from minillm.hardware import this_machine
-
-        print(f"{name} is not in the spec table; measuring its peaks instead", flush=True)
-        spec = this_machine("cuda")
-    print(f"{name}: roofline of {spec.name}", flush=True)
-    torch.manual_seed(0)
-    bench = Bench(spec)
-    bench_rmsnorm(bench, args.quick)
-    bench_rope(bench, args.quick)
-    bench_prefill(bench, args.quick)
-    bench_decode(bench, args.quick)
-    bench_quant_matmul(bench, args.quick)
-    decode_steps = bench_decode_step_graphs(args.quick)
-    goals = evaluate_goals(bench.measurements)
-    print(json.dumps(goals, indent=2))
-
-    results = {
-        "device": name,
-        "spec": spec.name,
-        "spec_measured": spec.measured,
-        "dtype": str(DTYPE).removeprefix("torch."),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": versions(),
-        "quick": args.quick,
-        "measurements": [asdict(m) for m in bench.measurements],
-        "decode_step_cuda_graphs": decode_steps,
-        "goals": goals,
-    }
+    results = run(args.quick)
+    print(json.dumps(results["goals"], indent=2))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kernels_{device_slug(name)}.json"
+    path = out / f"kernels_{device_slug(results['device'])}.json"
     path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {path}")
     return 0

@@ -3,9 +3,10 @@
 #   1. the kernel and CUDA-graph tests compiled for the GPU (the interpreter tests' shapes,
 #      plus their GPU-marked real-size cases),
 #   2. every other GPU-marked test,
-#   3. the kernel benchmarks, which write results/kernels_<device>.json; the script's
+#   3. the kernel benchmarks, which write benchmarks/results/kernels_<device>.json (the
+#      file chapter 5 shows); the script's
 #      arguments go to them (`scripts/gpu_check.sh --quick` for fewer cases).
-# The test logs go to results/gpu_tests_<device>.txt. Exit status: non-zero if a test failed.
+# The test logs go to benchmarks/results/gpu_tests_<device>.txt. Exit status: non-zero if a test failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The project's venv when there is one; else a python3 that already holds a CUDA build of
@@ -20,10 +21,11 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     exit 2
 fi
 unset TRITON_INTERPRET  # compile the kernels for the GPU
-mkdir -p results
+results=benchmarks/results
+mkdir -p "$results"
 device=$("$PYTHON" -c "import torch; from benchmarks.kernels import device_slug
 print(device_slug(torch.cuda.get_device_name()))")
-log="results/gpu_tests_${device}.txt"
+log="$results/gpu_tests_${device}.txt"
 
 # compiling many kernel variants is CPU work: spread it over processes when xdist is there
 parallel=()
@@ -46,7 +48,7 @@ else
     other_tests=0
 fi
 
-"$PYTHON" -m benchmarks.kernels --out results "$@"
+"$PYTHON" -m benchmarks.kernels --out "$results" "$@"
 benchmarks=$?
 echo "kernel tests: exit $kernel_tests; other GPU tests: exit $other_tests; benchmarks: exit $benchmarks"
 [ "$kernel_tests" -eq 0 ] && [ "$other_tests" -eq 0 ] && [ "$benchmarks" -eq 0 ]

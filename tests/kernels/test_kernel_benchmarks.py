@@ -1,12 +1,20 @@
 """benchmarks/kernels.py: what runs without a GPU (the device lookup, the goals, the
 refusal), and the whole benchmark in its quick form on a GPU."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from benchmarks.kernels import Measurement, device_slug, evaluate_goals, main, spec_for_cuda_name
+from benchmarks.kernels import (
+    Measurement,
+    device_slug,
+    evaluate_goals,
+    main,
+    run,
+    spec_for_cuda_name,
+)
 
 
 @pytest.mark.parametrize(
@@ -58,6 +66,11 @@ def test_goals_from_measurements():
     assert goals["w4a16_goal_met"]
 
 
+def test_measurements_have_the_fields_chapter_5_shows():
+    shown = {"kernel", "case", "impl", "time_ms", "gb_per_s", "tflop_per_s", "roofline_pct"}
+    assert shown <= {field.name for field in dataclasses.fields(Measurement)}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
 def test_without_cuda_it_says_so(capsys):
     assert main([]) == 2
@@ -70,6 +83,9 @@ def test_quick_benchmark_writes_its_results(tmp_path):
     (path,) = tmp_path.glob("kernels_*.json")
     results = json.loads(path.read_text())
     assert results["versions"]["triton"] and results["measurements"]
+    # what chapter 5 shows from a recorded file
+    assert {"device", "dtype", "date", "versions", "goals", "measurements"} <= set(results)
+    assert results["versions"]["torch"]
     assert {m["kernel"] for m in results["measurements"]} == {
         "rmsnorm",
         "rope",
@@ -78,3 +94,15 @@ def test_quick_benchmark_writes_its_results(tmp_path):
         "quant_matmul",
     }
     assert all(m["time_ms"] > 0 for m in results["measurements"])
+
+
+def test_run_rejects_unknown_kernels_before_running_anything():
+    with pytest.raises(ValueError, match=r"unknown kernels \['flash'\]"):
+        run(quick=True, only=["decode", "flash"])
+
+
+@pytest.mark.gpu
+def test_run_only_some_kernels():
+    results = run(quick=True, only=["decode"], graphs=False)
+    assert {m["kernel"] for m in results["measurements"]} == {"decode"}
+    assert results["decode_step_cuda_graphs"] == []

@@ -29,7 +29,7 @@ def test_without_cuda_it_exits_2_and_says_why(tmp_path):
     )
     assert result.returncode == 2
     assert "needs a CUDA GPU" in result.stderr
-    assert not (ROOT / "results" / "gpu_tests_cpu.txt").exists()
+    assert not (ROOT / "benchmarks" / "results" / "gpu_tests_cpu.txt").exists()
 
 
 def test_it_finds_every_module_with_gpu_tests():
