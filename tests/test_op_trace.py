@@ -64,3 +64,29 @@ def test_no_grad_inside_and_errors():
     assert not result.requires_grad
     with pytest.raises(TypeError, match="fn must be callable"):
         trace_ops(3)
+
+
+def test_a_decode_step_runs_as_many_operations_at_any_batch_size():
+    # the torch backend attends all decode sequences in one batched call, so an eager decode
+    # step launches the same operations for 1 sequence or 5 (chapter 5's "Try it")
+    from minillm import EngineArgs, LLMEngine, SamplingParams
+
+    counts = []
+    for batch in (1, 5):
+        engine = LLMEngine(
+            EngineArgs(
+                device="cpu",
+                attention_backend="torch",
+                max_num_seqs=8,
+                max_model_len=128,
+                enable_prefix_caching=False,
+            )
+        )
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(str(i), list(range(10 + i, 30 + i)), params)
+        engine.step()  # prefill
+        _, ops = trace_ops(engine.step)
+        counts.append(len(ops))
+        assert any(op.name == "linear.default" for op in ops)
+    assert counts[0] == counts[1] > 100
