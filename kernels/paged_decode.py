@@ -18,10 +18,11 @@ An empty split (past the end of a short sequence) has lse = -inf and weight 0; a
 with no context at all gets out = 0. The kernels work in base 2 (exp2, log2) throughout.
 
 Choosing num_splits: enough (sequence, KV head, split) programs to fill the device about
-twice over (2 programs per SM), but no split shorter than MIN_KEYS_PER_SPLIT keys, where
-the merge would cost more than the parallelism gains; at most MAX_SPLITS. The count
-depends only on host ints (batch size, head count, the max_seq_len the caller states, SM
-count), never on device values, so a captured CUDA graph can replay it. Without a GPU,
+twice over (2 programs per SM), but no more than ceil(max_seq_len / MIN_KEYS_PER_SPLIT)
+splits, since much shorter splits cost more to merge than their parallelism gains; at most
+MAX_SPLITS. The count depends only on host ints (batch size, head count, the max_seq_len
+the caller states, SM count), never on device values, so a captured CUDA graph can replay
+it. Without a GPU,
 `kernels.device.NOTIONAL_SM_COUNT` stands in for the SM count.
 
 Tiling: one program per (sequence, KV head, split) handles all query heads of the KV head's
@@ -185,8 +186,9 @@ def choose_num_splits(
     num_sms: int,
     min_keys_per_split: int = MIN_KEYS_PER_SPLIT,
 ) -> int:
-    """Splits per (sequence, KV head): fill num_sms about twice, splits of at least
-    min_keys_per_split keys, at most MAX_SPLITS."""
+    """Splits per (sequence, KV head): enough to fill num_sms about twice, but at most
+    ceil(max_seq_len / min_keys_per_split) (splits of about min_keys_per_split keys or
+    more) and at most MAX_SPLITS."""
     programs = max(num_seqs * num_kv_heads, 1)
     wanted = triton.cdiv(2 * num_sms, programs)
     longest = max(triton.cdiv(max_seq_len, min_keys_per_split), 1)

@@ -92,7 +92,7 @@ def test_choose_num_splits():
     # batch 1, 8 KV heads on 132 SMs: 264 / 8 = 33 splits wanted, 4096 keys allow them
     min_keys = MIN_KEYS_PER_SPLIT
     assert choose_num_splits(1, 8, 33 * min_keys, 132) == 33
-    # a short context limits the splits: each keeps at least MIN_KEYS_PER_SPLIT keys
+    # a short context limits the splits: at most ceil(context / MIN_KEYS_PER_SPLIT)
     assert choose_num_splits(1, 8, 2 * min_keys, 132) == 2
     assert choose_num_splits(1, 8, 1, 132) == 1
     # a big batch fills the device alone
