@@ -11,23 +11,35 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).with_name("gpu_compile.py")
+ROOT = Path(__file__).parents[2]
+ENV = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+
+
+def compile_ahead(*args: str) -> list[dict]:
+    result = subprocess.run(
+        [sys.executable, "-m", "kernels.aot", *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [90, 89])
 def test_kernels_compile_for_the_gpu(arch):
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(arch)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parents[2],
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    rows = compile_ahead(str(arch))
     assert len(rows) == 2 * 10  # bfloat16 and float32, ten kernel configurations each
     failed = [row for row in rows if not row["ok"] or row["shared_bytes"] > row["limit"]]
     assert not failed, failed
+
+
+def test_one_kernel_one_dtype():
+    (row,) = compile_ahead("90", "--kernels", "flash_attention", "--dtypes", "bf16")
+    assert row["ok"] and row["kernel"] == "flash_attention" and row["dtype"] == "bf16"
+    assert (row["BLOCK_M"], row["BLOCK_N"], row["num_warps"], row["num_stages"]) == (128, 64, 8, 3)
+    # the compiler allocates no more than the launcher budgeted for the tiles
+    assert 0 < row["shared_bytes"] <= 144 * 1024

@@ -1,16 +1,24 @@
-"""Compile every kernel ahead of time for a GPU architecture, on a machine without a GPU.
+"""Compile kernels ahead of time for a GPU architecture, on a machine without a GPU.
 
 Triton can lower a kernel to a cubin for any target it supports without a device present.
-This script does so for each kernel with the block sizes and pipeline depth its launcher
+This module does so for each kernel with the block sizes and pipeline depth its launcher
 picks for that architecture's shared memory per program, and prints one JSON line per
-kernel: whether it compiled and the shared memory it needs. Run it with
-TRITON_INTERPRET=0 (the kernels must be defined compiled, not interpreted):
+kernel: whether it compiled and the shared memory the compiled kernel uses (what Triton
+really allocates, which may be less than the launcher's budget: a tile the compiler keeps
+in registers takes no shared memory). Registers are known only once the cubin is loaded on
+a GPU. Run it with TRITON_INTERPRET=0 (the kernels must be defined compiled, not
+interpreted), optionally naming kernels and dtypes:
 
-    TRITON_INTERPRET=0 python tests/kernels/gpu_compile.py 90
+    TRITON_INTERPRET=0 python -m kernels.aot 90 [--kernels flash_attention ...]
+        [--dtypes bf16 fp32]
+
+tests/kernels/test_gpu_compile.py runs it for sm_90 and sm_89; chapter 5 shows what it
+reports for FlashAttention on an H100.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -150,15 +158,28 @@ SCALAR_TYPES = {
 }
 
 
-def main(arch: int) -> int:
+ITEMSIZE = {"bf16": 2, "fp32": 4}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("arch", type=int, choices=sorted(SHARED_MEMORY_BYTES))
+    parser.add_argument("--kernels", nargs="+", help="only these (default: all)")
+    parser.add_argument("--dtypes", nargs="+", choices=list(ITEMSIZE), default=list(ITEMSIZE))
+    args = parser.parse_args(argv)
     if kernels.INTERPRETED:
         print("run with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
+    arch = args.arch
     # the launchers size their tiles from this architecture's shared memory
     kernels.device.max_shared_memory_bytes = lambda device: SHARED_MEMORY_BYTES[arch]
-    for dtype, itemsize in (("bf16", 2), ("fp32", 4)):
-        for name, fn, types, constexprs, num_warps, num_stages in cases(dtype, itemsize):
+    for dtype in args.dtypes:
+        for name, fn, types, constexprs, num_warps, num_stages in cases(dtype, ITEMSIZE[dtype]):
+            if args.kernels and name not in args.kernels:
+                continue
             row = {"arch": arch, "dtype": dtype, "kernel": name, "num_stages": num_stages}
+            row |= {"num_warps": num_warps}
+            row |= {k: v for k, v in constexprs.items() if k in ("BLOCK_M", "BLOCK_N")}
             try:
                 shared = compile_kernel(
                     fn, {**SCALAR_TYPES, **types}, constexprs, num_warps, num_stages, arch
@@ -171,4 +192,4 @@ def main(arch: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1])))
+    sys.exit(main())
