@@ -337,7 +337,17 @@ def format_table(grades: list[NotebookGrade]) -> str:
     return "\n".join(lines)
 
 
-def _clip(text: str, width: int = 100) -> str:
+def any_clipped(grades: list[NotebookGrade]) -> bool:
+    """True when format_table cuts a failure message short."""
+    messages = [f"failed: {c.error}" for g in grades for c in g.cells if not c.passed]
+    messages += [f"could not run: {g.error}" for g in grades if g.error]
+    return any(len(m) > CLIP_WIDTH for m in messages)
+
+
+CLIP_WIDTH = 100
+
+
+def _clip(text: str, width: int = CLIP_WIDTH) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
@@ -412,6 +422,12 @@ def _run(args: argparse.Namespace) -> int:
     grades = [grade_notebook(path, args.timeout, args.reference) for path in notebooks]
     if grades:
         print(format_table(grades))
+        if any_clipped(grades) and args.report is None:
+            print(
+                "minillm grade: messages ending in ... are cut; "
+                "--report FILE.json keeps them whole",
+                file=sys.stderr,
+            )
     if args.report is not None:
         write_report(grades, args.report)
     ok = not problems and all(grade.error is None for grade in grades)

@@ -329,3 +329,18 @@ def test_cli_grades_against_a_reference_folder(tampered, tmp_path, capsys):
     assert json.loads(report.read_text())["notebooks"][0]["points"] == 5
     assert main(["grade", str(submission), "--reference", str(tmp_path / "nope")]) == 2
     assert "--reference" in capsys.readouterr().err
+
+
+def test_cli_says_where_cut_messages_are_whole(tmp_path, capsys):
+    long_message = "the answer is " + "very " * 40 + "wrong"
+    cells = [code(f"# GRADED: 1 points\nassert False, {long_message!r}")]
+    path = write_notebook(tmp_path / "long.ipynb", notebook(cells, bootstrap=False))
+    assert main(["grade", str(path), "--timeout", "30"]) == 0
+    out, err = capsys.readouterr()
+    (row,) = [line for line in out.splitlines() if "failed:" in line]
+    assert row.endswith("...") and long_message not in row
+    assert "--report FILE.json keeps them whole" in err
+    report = tmp_path / "grades.json"
+    assert main(["grade", str(path), "--timeout", "30", "--report", str(report)]) == 0
+    assert long_message in report.read_text()
+    assert capsys.readouterr().err == ""
