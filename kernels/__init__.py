@@ -18,11 +18,12 @@ FLOPs done per call, from which the benchmarks draw the roofline.
 - `kernels.checks`, `kernels.device`: the launchers' input checks, and the device facts
   (SM count, shared memory) their block sizes depend on.
 - `kernels.aot`: every kernel compiled ahead of time for a GPU architecture, without a GPU.
+- `kernels.benchmark`: every kernel timed beside its PyTorch baseline on a GPU's roofline.
 
 Tests: tests/kernels/ compares each kernel with its reference on hypothesis-drawn shapes,
 under the interpreter on a CPU and compiled on a GPU; tests/kernels/test_gpu_compile.py
 compiles every kernel for sm_90 and sm_89 without a GPU. Benchmarks: `python -m
-benchmarks.kernels` on a GPU; scripts/gpu_check.sh runs every GPU check at once.
+kernels.benchmark` on a GPU; scripts/gpu_check.sh runs every GPU check at once.
 
 Running without a GPU. Triton decides when `@triton.jit` runs, that is when a kernel module
 is imported, whether the kernel is compiled for a GPU or run by its interpreter, a NumPy

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CODE = ["minillm", "kernels", "tests", "benchmarks"]
+CODE = ["minillm", "kernels", "tests"]
 RUFF = pathlib.Path(sys.executable).parent / "ruff"
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py: what runs without a GPU (the device lookup, the goals, the
+"""kernels/benchmark.py: what runs without a GPU (the device lookup, the goals, the
 refusal), and the whole benchmark in its quick form on a GPU."""
 
 import dataclasses
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.kernels import (
+from kernels.benchmark import (
     Measurement,
     device_slug,
     evaluate_goals,

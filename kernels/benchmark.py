@@ -14,13 +14,14 @@ default backend over a contiguous KV cache for decode), and for the quantized ma
 the bfloat16 matmul they must beat and dequantize-then-matmul. A last table times a decode
 step of a Qwen3-0.6B-shaped model (random weights) with and without CUDA graphs.
 
-    python -m benchmarks.kernels [--quick] [--out benchmarks/results]
+    python -m kernels.benchmark [--quick] [--out benchmarks/results]
 
-writes benchmarks/results/kernels_<device>.json (device, spec used, versions, date, every
-measurement, and the three goals below). It needs a CUDA GPU. Goals, measured and
-reported, never asserted: decode attention >= 70% of HBM bandwidth at batch 64 x 4k
-context; prefill attention within 1.5x of SDPA's FlashAttention; W4A16 at batch 1 faster
-than the bfloat16 matmul.
+run from the repository root, writes benchmarks/results/kernels_<device>.json (device,
+spec used, versions, date, every measurement, and the three goals below). It needs a CUDA
+GPU. Goals, measured and reported, never asserted: decode attention >= 70% of HBM
+bandwidth at batch 64 x 4k context; prefill attention within 1.5x of SDPA's
+FlashAttention; W4A16 at batch 1 faster than the bfloat16 matmul. Chapter 5 shows the
+results, and on a GPU runs a few cases live through `run`.
 """
 
 from __future__ import annotations
@@ -552,14 +553,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--out",
-        default=str(pathlib.Path(__file__).parent / "results"),
+        default="benchmarks/results",
         help="folder for the JSON results file (default: benchmarks/results)",
     )
     parser.add_argument("--quick", action="store_true", help="one case per kernel")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "benchmarks.kernels needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "kernels.benchmark needs a CUDA GPU (torch.cuda.is_available() is False); "
             "the kernels' correctness tests run without one: pytest tests/kernels",
             file=sys.stderr,
         )
