@@ -10,10 +10,12 @@ a GPU. Run it with TRITON_INTERPRET=0 (the kernels must be defined compiled, not
 interpreted), optionally naming kernels and dtypes:
 
     TRITON_INTERPRET=0 python -m kernels.aot 90 [--kernels flash_attention ...]
-        [--dtypes bf16 fp32]
+        [--dtypes bf16 fp16 fp32]
 
-tests/kernels/test_gpu_compile.py runs it for sm_90 and sm_89; chapter 5 shows what it
-reports for FlashAttention on an H100.
+The architecture is any compute capability of `kernels.device.ARCH_LIMITS` (75, 80, 86,
+89, 90). tests/kernels/test_gpu_compile.py runs it for sm_90, sm_89 and sm_75 (Colab's
+T4, in float16: it has no bfloat16); chapter 5 shows what it reports for FlashAttention on
+an H100.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from kernels import flash_attention, kv_cache, paged_decode, quant_matmul, rmsno
 # opt-in shared memory per program (CUDA's cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SHARED_MEMORY_BYTES = {
     major * 10 + minor: kernels.device.ARCH_LIMITS[(major, minor)].shared_memory_per_program
-    for major, minor in ((8, 0), (8, 9), (9, 0))
+    for major, minor in kernels.device.ARCH_LIMITS
 }
 HEAD_DIM, GROUP = 128, 4
 
@@ -158,14 +160,14 @@ SCALAR_TYPES = {
 }
 
 
-ITEMSIZE = {"bf16": 2, "fp32": 4}
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("arch", type=int, choices=sorted(SHARED_MEMORY_BYTES))
     parser.add_argument("--kernels", nargs="+", help="only these (default: all)")
-    parser.add_argument("--dtypes", nargs="+", choices=list(ITEMSIZE), default=list(ITEMSIZE))
+    parser.add_argument("--dtypes", nargs="+", choices=list(ITEMSIZE), default=["bf16", "fp32"])
     args = parser.parse_args(argv)
     if kernels.INTERPRETED:
         print("run with TRITON_INTERPRET=0", file=sys.stderr)

@@ -1,7 +1,7 @@
-"""Every kernel compiles for Hopper (sm_90) and Ada (sm_89, the smallest shared memory of
-the targets) with its launcher's configuration, and fits the shared memory: checked
-without a GPU by compiling ahead of time in a process where the kernels are not
-interpreted."""
+"""Every kernel compiles for Hopper (sm_90), Ada (sm_89) and Turing (sm_75, Colab's T4,
+the smallest shared memory of the targets) with its launcher's configuration, and fits the
+shared memory: checked without a GPU by compiling ahead of time in a process where the
+kernels are not interpreted."""
 
 import json
 import os
@@ -29,10 +29,14 @@ def compile_ahead(*args: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", [90, 89])
-def test_kernels_compile_for_the_gpu(arch):
-    rows = compile_ahead(str(arch))
-    assert len(rows) == 2 * 10  # bfloat16 and float32, ten kernel configurations each
+@pytest.mark.parametrize(
+    "arch, dtypes",
+    # Hopper and Ada in bfloat16; Turing (Colab's T4) has no bfloat16, and 64 KiB per program
+    [(90, ["bf16", "fp32"]), (89, ["bf16", "fp32"]), (75, ["fp16", "fp32"])],
+)
+def test_kernels_compile_for_the_gpu(arch, dtypes):
+    rows = compile_ahead(str(arch), "--dtypes", *dtypes)
+    assert len(rows) == 2 * 10  # two dtypes, ten kernel configurations each
     failed = [row for row in rows if not row["ok"] or row["shared_bytes"] > row["limit"]]
     assert not failed, failed
 
