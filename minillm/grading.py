@@ -320,15 +320,21 @@ def collect_notebooks(paths: list[str]) -> tuple[list[pathlib.Path], list[str]]:
     return notebooks, problems
 
 
-def format_table(grades: list[NotebookGrade]) -> str:
-    """A plain-text table: one row per graded cell, a total row per notebook."""
-    rows = [("notebook", "cell", "points", "result")]
+def _table_rows(grades: list[NotebookGrade]) -> list[tuple[str, str, str, str]]:
+    """(notebook, cell, points, result) for each graded cell and each notebook's total."""
+    rows = []
     for grade in grades:
         for cell in grade.cells:
             result = "passed" if cell.passed else f"failed: {cell.error}"
             rows.append((grade.path, str(cell.index), f"{cell.points}/{cell.max_points}", result))
         total_result = f"could not run: {grade.error}" if grade.error else ""
         rows.append((grade.path, "total", f"{grade.points}/{grade.max_points}", total_result))
+    return rows
+
+
+def format_table(grades: list[NotebookGrade]) -> str:
+    """A plain-text table: one row per graded cell, a total row per notebook."""
+    rows = [("notebook", "cell", "points", "result"), *_table_rows(grades)]
     widths = [max(len(row[col]) for row in rows) for col in range(3)]
     lines = [
         f"{path:<{widths[0]}}  {cell:>{widths[1]}}  {points:>{widths[2]}}  {_clip(result)}".rstrip()
@@ -338,10 +344,8 @@ def format_table(grades: list[NotebookGrade]) -> str:
 
 
 def any_clipped(grades: list[NotebookGrade]) -> bool:
-    """True when format_table cuts a failure message short."""
-    messages = [f"failed: {c.error}" for g in grades for c in g.cells if not c.passed]
-    messages += [f"could not run: {g.error}" for g in grades if g.error]
-    return any(len(m) > CLIP_WIDTH for m in messages)
+    """True when format_table cuts a result short."""
+    return any(len(result) > CLIP_WIDTH for *_, result in _table_rows(grades))
 
 
 CLIP_WIDTH = 100
