@@ -14,16 +14,16 @@ FLOPs done per call, from which the benchmarks draw the roofline.
 - `kernels.quant_matmul`: weight-only quantized matmul, W8A16 per output channel and W4A16
   group-wise, dequantized inside the GEMM.
 - `kernels.kv_cache`: the store of new keys and values into their cache slots.
-- `kernels.attention_backend`: the engine's "triton" attention backend built from them.
+- `minillm.model.triton_backend`: the engine's "triton" attention backend built from them.
 - `kernels.checks`, `kernels.device`: the launchers' input checks, and the device facts
   (SM count, shared memory) their block sizes depend on.
-- `kernels.aot`: every kernel compiled ahead of time for a GPU architecture, without a GPU.
-- `kernels.benchmark`: every kernel timed beside its PyTorch baseline on a GPU's roofline.
+- `minillm.lab.aot`: every kernel compiled ahead of time for a GPU architecture, without a GPU.
+- `minillm.lab.kernel_bench`: every kernel timed beside its PyTorch baseline on a GPU's roofline.
 
 Tests: tests/kernels/ compares each kernel with its reference on hypothesis-drawn shapes,
 under the interpreter on a CPU and compiled on a GPU; tests/kernels/test_gpu_compile.py
 compiles every kernel for sm_90 and sm_89 without a GPU. Benchmarks: `python -m
-kernels.benchmark` on a GPU; scripts/gpu_check.sh runs every GPU check at once.
+minillm.lab.kernel_bench` on a GPU; scripts/gpu_check.sh runs every GPU check at once.
 
 Running without a GPU. Triton decides when `@triton.jit` runs, that is when a kernel module
 is imported, whether the kernel is compiled for a GPU or run by its interpreter, a NumPy
@@ -34,7 +34,7 @@ does nothing: launches then fail with "0 active drivers". `INTERPRETED` records 
 The variable must also be set before `triton` itself is imported, since Triton's own
 library functions (`tl.sum`, `tl.max`, ...) are made interpretable or not as it loads.
 PyTorch imports triton on its own when something loads `torch._dynamo` (even constructing a
-module under a `torch.device` context can), which is why `minillm.model` imports this
+module under a `torch.device` context can), which is why `minillm.model.llama` imports this
 package first. When triton was already loaded without the interpreter, `LATE_INTERPRETER`
 is True and every launcher says so (see `kernels.checks.check_device`) instead of failing
 deep inside Triton.

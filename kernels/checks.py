@@ -53,7 +53,7 @@ def check_device(name: str, t: torch.Tensor) -> None:
             "the kernels need Triton's interpreter here (no CUDA device), but triton was "
             "imported before the kernels package could set TRITON_INTERPRET=1, so Triton's "
             "library functions are not interpretable. Set TRITON_INTERPRET=1 in the "
-            "environment before starting Python, or import kernels (or minillm.model) before "
+            "environment before starting Python, or import kernels (or minillm.model.llama) before "
             "anything that imports triton, such as torch.compile."
         )
     if not INTERPRETED and t.device.type != "cuda":

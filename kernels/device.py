@@ -76,7 +76,7 @@ ARCH_LIMITS: dict[tuple[int, int], ArchLimits] = {
     )
 }
 
-# the compute capability of each NVIDIA GPU in `minillm.hardware`
+# the compute capability of each NVIDIA GPU in `minillm.lab.hardware`
 DEVICE_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
     "H100 SXM": (9, 0),
     "H200 SXM": (9, 0),

@@ -7,11 +7,13 @@ pair turns by the angle p * inv_freq[i]:
     out[i]       = x[i] * cos(p * inv_freq[i]) - x[i + d/2] * sin(p * inv_freq[i])
     out[i + d/2] = x[i + d/2] * cos(p * inv_freq[i]) + x[i] * sin(p * inv_freq[i])
 
-The frequencies come from `minillm.rope.rope_inv_freq` (the model's rope_theta and
-rope_scaling, Llama 3's included). `rope_cos_sin_cache` tabulates cos and sin once per
-model for every position up to max_position_embeddings, in float32 (the angles of distant
-positions need float32; vLLM keeps the same `cos_sin_cache`), and the kernel looks up each
-token's row by its position. The kernel rotates in float32 and rounds once, to q's dtype.
+The frequencies `inv_freq` come in as an argument: the model computes them from its
+rope_theta and rope_scaling (Llama 3's included; `minillm.model.rope.rope_inv_freq`), so this
+package needs nothing of the model's configuration. `rope_cos_sin_cache` tabulates cos
+and sin once per model for every position up to max_position_embeddings, in float32 (the
+angles of distant positions need float32; vLLM keeps the same `cos_sin_cache`), and the
+kernel looks up each token's row by its position. The kernel rotates in float32 and rounds
+once, to q's dtype.
 
 Tiling: one program per token rotates all heads of q and of k: it reads the token's cos/sin
 row once and the heads as a [heads, d/2] tile per half.
@@ -34,19 +36,14 @@ from kernels.checks import (
     check_same_device,
     check_shape,
 )
-from minillm.rope import rope_inv_freq
 
 
 def rope_cos_sin_cache(
-    head_dim: int,
-    rope_theta: float,
-    rope_scaling: dict | None,
-    max_position: int,
-    device: torch.device | str = "cpu",
+    inv_freq: torch.Tensor, max_position: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """cos_sin_cache: [max_position, head_dim] float32; row p is cos(p * inv_freq) followed by
-    sin(p * inv_freq), head_dim / 2 values each."""
-    inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)
+    """cos_sin_cache: [max_position, head_dim] float32 from the [head_dim / 2] frequencies;
+    row p is cos(p * inv_freq) followed by sin(p * inv_freq), head_dim / 2 values each."""
+    inv_freq = inv_freq.detach().to("cpu", torch.float32)
     angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
     return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
 
@@ -165,14 +162,13 @@ def apply_rope_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     positions: torch.Tensor,
-    head_dim: int,
-    rope_theta: float,
-    rope_scaling: dict | None,
+    inv_freq: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle: rotate each (x_i, x_{i + d/2}) pair as a complex number by e^{i p w_i}, in
-    float64, with frequencies from the model's RoPE config. The angles p * w_i are float32
+    float64, with the model's frequencies w = inv_freq. The angles p * w_i are float32
     products, as the model computes them (the convention being checked, not the trigonometry)."""
-    inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling).to(q.device)
+    head_dim = 2 * inv_freq.numel()
+    inv_freq = inv_freq.to(q.device, torch.float32)
     angles = (positions.float()[..., None] * inv_freq).double()  # [..., d/2]
     rotation = torch.polar(torch.ones_like(angles), angles)[..., None, :]  # one per head
 

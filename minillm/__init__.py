@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "LLM": "minillm.llm",
     "SamplingParams": "minillm.sampling_params",
-    "LLMEngine": "minillm.engine",
-    "EngineArgs": "minillm.engine",
+    "LLMEngine": "minillm.engine.llm_engine",
+    "EngineArgs": "minillm.engine.llm_engine",
     "RequestOutput": "minillm.outputs",
     "CompletionOutput": "minillm.outputs",
 }
 __all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
-    from minillm.engine import EngineArgs, LLMEngine
+    from minillm.engine.llm_engine import EngineArgs, LLMEngine
     from minillm.llm import LLM
     from minillm.outputs import CompletionOutput, RequestOutput
     from minillm.sampling_params import SamplingParams

@@ -16,10 +16,10 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from minillm.engine import EngineArgs, LLMEngine
+from minillm.engine.llm_engine import EngineArgs, LLMEngine
+from minillm.model.tokenizer import Tokenizer
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
-from minillm.tokenizer import Tokenizer
 
 Prompt = str | list[int]  # text, or token ids
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minillm.metrics import RequestMetrics
-from minillm.request import Request
+from minillm.core.metrics import RequestMetrics
 
 
 @dataclass(slots=True)
@@ -50,34 +49,3 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool  # every completion has finished
     metrics: RequestMetrics  # the first completion's timestamps (its TTFT is the prompt's)
-
-
-def make_completion_output(seq: Request) -> CompletionOutput:
-    """The sequence's output so far, and the text added since the last one (delta_text)."""
-    text = visible_text(seq)
-    delta_text = text[seq.num_streamed_chars :]
-    seq.num_streamed_chars = len(text)
-    params = seq.sampling_params
-    return CompletionOutput(
-        index=seq.index,
-        text=text,
-        token_ids=list(seq.output_token_ids),
-        logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
-        finish_reason=seq.status.finish_reason,
-        stop_reason=seq.stop_reason,
-        delta_text=delta_text,
-    )
-
-
-def visible_text(seq: Request) -> str:
-    """The output text a user may see now.
-
-    While a request with stop strings runs, the last (longest stop string - 1) characters are
-    held back: they may be the start of a stop string, which would be cut from the text once
-    the rest arrives. Streamed text is therefore never taken back (vLLM does the same).
-    """
-    stop = seq.sampling_params.stop
-    if seq.is_finished or not stop:
-        return seq.output_text
-    num_held_back = max(len(s) for s in stop) - 1
-    return seq.output_text[: max(0, len(seq.output_text) - num_held_back)]

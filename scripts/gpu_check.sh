@@ -23,7 +23,7 @@ fi
 unset TRITON_INTERPRET  # compile the kernels for the GPU
 results=benchmarks/results
 mkdir -p "$results"
-device=$("$PYTHON" -c "import torch; from kernels.benchmark import device_slug
+device=$("$PYTHON" -c "import torch; from minillm.lab.kernel_bench import device_slug
 print(device_slug(torch.cuda.get_device_name()))")
 log="$results/gpu_tests_${device}.txt"
 
@@ -48,7 +48,7 @@ else
     other_tests=0
 fi
 
-"$PYTHON" -m kernels.benchmark --out "$results" "$@"
+"$PYTHON" -m minillm.lab.kernel_bench --out "$results" "$@"
 benchmarks=$?
 echo "kernel tests: exit $kernel_tests; other GPU tests: exit $other_tests; benchmarks: exit $benchmarks"
 [ "$kernel_tests" -eq 0 ] && [ "$other_tests" -eq 0 ] && [ "$benchmarks" -eq 0 ]

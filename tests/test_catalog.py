@@ -2,8 +2,8 @@
 
 import pytest
 
-from minillm.catalog import HF_CONFIGS, SHORT_NAMES, get_model_config, model_names
-from minillm.config import ModelConfig
+from minillm.lab.catalog import HF_CONFIGS, SHORT_NAMES, get_model_config, model_names
+from minillm.model.config import ModelConfig
 
 
 @pytest.mark.parametrize(

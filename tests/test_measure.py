@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from minillm import hardware, measure
+from minillm.lab import measure
 
 
 def test_best_time_is_the_fastest_run_after_a_warm_up():
@@ -57,8 +57,8 @@ def test_devices_other_than_cpu_and_cuda_are_refused():
 
 @pytest.mark.slow
 def test_this_machine_is_a_measured_spec():
-    spec = hardware.get_device("this machine")
-    assert spec is hardware.this_machine()  # measured once per process
+    spec = measure.this_machine()
+    assert spec is measure.this_machine()  # measured once per process
     assert spec.measured and spec.name.startswith("this machine (")
     assert spec.sparse_flops_per_s == {}
     assert spec.peak_flops("float32") > 1e8  # any computer of this century

@@ -1,10 +1,10 @@
-"""minillm.op_trace: the operations an eager function runs and the bytes each moves."""
+"""minillm.lab.op_trace: the operations an eager function runs and the bytes each moves."""
 
 import pytest
 import torch
 
-from minillm.model import RMSNorm
-from minillm.op_trace import OpRecord, total_bytes, trace_ops
+from minillm.lab.op_trace import OpRecord, total_bytes, trace_ops
+from minillm.model.llama import RMSNorm
 
 
 def test_an_elementwise_op_reads_its_inputs_and_writes_its_output():

@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from minillm import roofline
-from minillm.catalog import get_model_config, model_names
-from minillm.config import ModelConfig
-from minillm.hardware import get_device
-from minillm.model import LlamaForCausalLM
+from minillm.lab import roofline
+from minillm.lab.catalog import get_model_config, model_names
+from minillm.lab.hardware import get_device
+from minillm.model.config import ModelConfig
+from minillm.model.llama import LlamaForCausalLM
 
 H100_BF16 = 989.4e12
 H100_BW = 3.35e12

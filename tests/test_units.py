@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm import units
+from minillm.lab import units
 
 # Bits per element from the formats' definitions, independent of the module's table.
 BITS = {

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
-from minillm.grading import graded_cells, read_notebook
+from minillm.course.grading import graded_cells, read_notebook
 
 DEFINITION = re.compile(r"^(?:def|class) (\w+)\b", re.MULTILINE)
 

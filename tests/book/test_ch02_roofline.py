@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import time
 
-from minillm import roofline
-from minillm.catalog import get_model_config
+from minillm.lab import roofline
+from minillm.lab.catalog import get_model_config
 
 from .conftest import ROOT
 from .exercise_checks import ExerciseChecks, FromNamespace

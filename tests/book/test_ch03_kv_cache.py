@@ -12,7 +12,7 @@ from collections import deque
 
 import torch
 
-from minillm.block_pool import hash_block_tokens
+from minillm.core.block_pool import hash_block_tokens
 
 from .conftest import ROOT
 from .exercise_checks import ExerciseChecks, FromNamespace

@@ -13,7 +13,7 @@ import time
 import torch
 
 from kernels.device import ARCH_LIMITS
-from minillm.op_trace import trace_ops
+from minillm.lab.op_trace import trace_ops
 
 from .conftest import ROOT
 from .exercise_checks import ExerciseChecks

@@ -11,9 +11,9 @@ import copy
 
 import pytest
 
-from minillm.bootstrap import is_bootstrap_cell, repository_url
-from minillm.exercises import stale_exercises
-from minillm.grading import execute_notebook, graded_cells, read_notebook, score_cells
+from minillm.course.bootstrap import is_bootstrap_cell, repository_url
+from minillm.course.exercises import stale_exercises
+from minillm.course.grading import execute_notebook, graded_cells, read_notebook, score_cells
 
 from .conftest import ROOT
 

@@ -1,6 +1,6 @@
 """The table of contents lists only pages that exist, and chapter notebooks are current."""
 
-from minillm.notebooks import stale_notebooks
+from minillm.course.notebooks import stale_notebooks
 
 from .conftest import ROOT, source_of, toc_files
 

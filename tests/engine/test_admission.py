@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.admission import (
+from minillm.lab.admission import (
     SGLANG_INIT_NEW_TOKEN_RATIO,
     PoolEntry,
     PoolRequest,

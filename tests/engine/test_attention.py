@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm.attention import (
+from minillm.model.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
     get_attention_backend,

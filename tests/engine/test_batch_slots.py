@@ -7,14 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.batch_slots import (
+from minillm.core.metrics import StepTrace
+from minillm.lab.batch_slots import (
     idle_slot_steps,
     seat_intervals,
     slot_timeline,
     static_batching_idle_slot_steps,
 )
-from minillm.metrics import StepTrace
-from minillm.schedule_sim import simulate_schedule
+from minillm.lab.schedule_sim import simulate_schedule
 
 
 def test_continuous_batching_refills_a_seat_in_the_next_step():

@@ -5,8 +5,8 @@ import pathlib
 
 from tiny_llama import build_tiny_llama
 
-from minillm.bench import make_workload
-from minillm.cli import main
+from minillm.cli.main import main
+from minillm.lab.bench import make_workload
 
 
 def test_workload_is_reproducible_and_within_the_ranges():

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from minillm.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from minillm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 
 
 def free_order(pool: BlockPool) -> list[int]:
@@ -155,7 +155,8 @@ def test_hash_chain_depends_on_the_whole_prefix():
 
 def test_hash_is_the_same_in_another_process():
     code = (
-        "from minillm.block_pool import hash_block_tokens; print(hash_block_tokens(None, [1, 2]))"
+        "from minillm.core.block_pool import hash_block_tokens; "
+        "print(hash_block_tokens(None, [1, 2]))"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run(

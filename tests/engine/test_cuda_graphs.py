@@ -7,10 +7,10 @@ import pytest
 import torch
 from tiny_llama import build_tiny_llama
 
-from minillm.cuda_graphs import CUDAGraphConfig, CUDAGraphRunner, graph_batch_sizes
-from minillm.engine import EngineArgs, LLMEngine
-from minillm.loader import load_model
+from minillm.engine.llm_engine import EngineArgs, LLMEngine
+from minillm.model.loader import load_model
 from minillm.sampling_params import SamplingParams
+from minillm.worker.cuda_graphs import CUDAGraphConfig, CUDAGraphRunner, graph_batch_sizes
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_graph_replays_give_the_eager_outputs(model_dir):
 
 @pytest.mark.gpu
 def test_a_replay_equals_the_eager_forward_and_skips_padding(model_dir):
-    from minillm.attention import AttentionMetadata
+    from minillm.model.attention import AttentionMetadata
 
     model = load_model(model_dir, device="cuda", attention_backend="triton").model
     kv_caches = [torch.randn(2, 16, 8, 2, 8, device="cuda") for _ in range(2)]

@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tiny_llama import build_tiny_llama, greedy_reference
 
-from minillm.engine import EngineArgs, LLMEngine
-from minillm.loader import load_model
+from minillm.engine.llm_engine import EngineArgs, LLMEngine
+from minillm.model.loader import load_model
 from minillm.sampling_params import SamplingParams
 
 MAX_TOKENS = 10

@@ -10,7 +10,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minillm.kv_cache_manager import KVCacheManager, PrefixCacheStats, kv_cache_block_bytes
+from minillm.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, kv_cache_block_bytes
 
 
 @dataclass

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm import kv_memory
-from minillm.catalog import get_model_config, model_names
-from minillm.units import GB, GiB, KiB
+from minillm.lab import kv_memory
+from minillm.lab.catalog import get_model_config, model_names
+from minillm.lab.units import GB, GiB, KiB
 
 
 def test_llama_3_1_8b_is_128_kib_per_token_in_bf16():

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm import kv_offload, roofline
-from minillm.catalog import get_model_config
-from minillm.hardware import get_device
-from minillm.units import GB
+from minillm.lab import kv_offload, roofline
+from minillm.lab.catalog import get_model_config
+from minillm.lab.hardware import get_device
+from minillm.lab.units import GB
 
 
 def test_pcie_rates():

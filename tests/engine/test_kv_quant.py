@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm import kv_quant
-from minillm.loader import load_model
+from minillm.lab import kv_quant
+from minillm.model.loader import load_model
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 

@@ -8,10 +8,10 @@ import pytest
 from tiny_llama import build_tiny_llama, greedy_reference
 
 import minillm
-from minillm.cli import main
-from minillm.engine import EngineArgs
+from minillm.cli.main import main
+from minillm.engine.llm_engine import EngineArgs
 from minillm.llm import LLM, as_prompt_list
-from minillm.loader import DEFAULT_MODEL
+from minillm.model.loader import DEFAULT_MODEL
 from minillm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

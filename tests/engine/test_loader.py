@@ -10,8 +10,8 @@ import safetensors.torch
 import tokenizers
 import torch
 
-from minillm import loader
-from minillm.loader import (
+from minillm.model import loader
+from minillm.model.loader import (
     DEFAULT_MODEL,
     LoadedModel,
     load_model,
@@ -212,7 +212,7 @@ def test_save_pretrained_with_a_tokenizers_object(hf_checkpoint, tmp_path):
 
 
 def test_resolve_dtype_falls_back_to_float16_without_bfloat16(monkeypatch):
-    from minillm.loader import resolve_dtype
+    from minillm.model.loader import resolve_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_dtype(None, "bfloat16", cpu) == torch.bfloat16

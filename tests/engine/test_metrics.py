@@ -2,12 +2,13 @@
 
 import pytest
 
-from minillm.kv_cache_manager import KVCacheManager
-from minillm.metrics import EngineStats, RequestMetrics, mean_itl_s, mean_tpot_s
+from minillm.core.kv_cache_manager import KVCacheManager
+from minillm.core.metrics import RequestMetrics, mean_itl_s, mean_tpot_s
+from minillm.core.request import Request
+from minillm.core.scheduler import Scheduler
+from minillm.engine.metrics import EngineStats
 from minillm.outputs import SampledToken
-from minillm.request import Request
 from minillm.sampling_params import SamplingParams
-from minillm.scheduler import Scheduler
 
 
 def metrics(arrival, scheduled, token_times, finished):

@@ -9,9 +9,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from minillm.attention import AttentionMetadata
-from minillm.config import ModelConfig
-from minillm.model import LlamaForCausalLM
+from minillm.model.attention import AttentionMetadata
+from minillm.model.config import ModelConfig
+from minillm.model.llama import LlamaForCausalLM
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 ATOL = 1e-4

@@ -2,10 +2,10 @@
 
 import torch
 
-from minillm.model_runner import prepare_inputs
-from minillm.request import Request
+from minillm.core.request import Request
+from minillm.core.scheduler import ScheduledRequest
 from minillm.sampling_params import SamplingParams
-from minillm.scheduler import ScheduledRequest
+from minillm.worker.model_runner import prepare_inputs
 
 
 def request(request_id, num_tokens, num_computed_tokens):

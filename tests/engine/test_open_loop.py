@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from tiny_llama import build_tiny_llama
 
-from minillm.engine import EngineArgs, LLMEngine
-from minillm.open_loop import (
+from minillm.engine.llm_engine import EngineArgs, LLMEngine
+from minillm.lab.open_loop import (
     TimedRequest,
     poisson_arrival_times,
     run_open_loop,

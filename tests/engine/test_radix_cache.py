@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from minillm.radix_cache import RadixCache, RadixNode, common_prefix_len
+from minillm.core.radix_cache import RadixCache, RadixNode, common_prefix_len
 
 # a small alphabet makes shared prefixes, splits and partial matches common
 tokens = st.lists(st.integers(0, 3), max_size=12)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from minillm.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 
 
 def hf_llama3_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict) -> torch.Tensor:

@@ -13,7 +13,8 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from minillm.sampler import (
+from minillm.sampling_params import SamplingParams
+from minillm.worker.sampler import (
     Sampler,
     SamplingState,
     apply_min_p,
@@ -23,7 +24,6 @@ from minillm.sampler import (
     apply_top_p,
     make_generator,
 )
-from minillm.sampling_params import SamplingParams
 
 # The worked example: five tokens A..E.
 P = [0.40, 0.25, 0.15, 0.12, 0.08]

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_llama import build_tiny_llama
 
-from minillm.engine import EngineArgs, LLMEngine
+from minillm.engine.llm_engine import EngineArgs, LLMEngine
+from minillm.lab.schedule_sim import ScheduleSim, SimRequest, simulate_schedule
 from minillm.sampling_params import SamplingParams
-from minillm.schedule_sim import ScheduleSim, SimRequest, simulate_schedule
 
 requests_strategy = st.lists(
     st.tuples(st.integers(1, 40), st.integers(1, 12)), min_size=1, max_size=6

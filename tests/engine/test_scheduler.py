@@ -7,11 +7,11 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minillm.kv_cache_manager import KVCacheManager
+from minillm.core.kv_cache_manager import KVCacheManager
+from minillm.core.request import Request, RequestStatus
+from minillm.core.scheduler import Scheduler, check_stop, find_stop_string
 from minillm.outputs import SampledToken
-from minillm.request import Request, RequestStatus
 from minillm.sampling_params import SamplingParams
-from minillm.scheduler import Scheduler, check_stop, find_stop_string
 
 EOS = 0
 

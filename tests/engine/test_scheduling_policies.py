@@ -11,12 +11,12 @@ from test_engine import GREEDY, PROMPTS, expected, finish, make_engine
 from test_scheduler import make_request, plan, sample_all, step
 from tiny_llama import build_tiny_llama, greedy_reference
 
-from minillm.engine import EngineArgs
-from minillm.kv_cache_manager import KVCacheManager
+from minillm.core.kv_cache_manager import KVCacheManager
+from minillm.core.scheduler import Scheduler, remaining_work_tokens
+from minillm.engine.llm_engine import EngineArgs
 from minillm.llm import LLM
-from minillm.loader import load_model
+from minillm.model.loader import load_model
 from minillm.sampling_params import SamplingParams
-from minillm.scheduler import Scheduler, remaining_work_tokens
 
 
 def make_scheduler(policy="fcfs", batching="continuous", num_blocks=64, block_size=4, **kwargs):

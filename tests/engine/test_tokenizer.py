@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from minillm.tokenizer import IncrementalDetokenizer, Tokenizer
+from minillm.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,

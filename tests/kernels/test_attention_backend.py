@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from kernel_testing import ATTENTION_TOLERANCE, DEVICE, DTYPES, assert_close
 from tiny_llama import build_tiny_llama
 
-from kernels.attention_backend import TritonAttentionBackend
-from minillm.attention import AttentionMetadata, get_attention_backend, torch_paged_attention
-from minillm.engine import EngineArgs, LLMEngine
+from minillm.engine.llm_engine import EngineArgs, LLMEngine
+from minillm.model.attention import AttentionMetadata, get_attention_backend, torch_paged_attention
+from minillm.model.triton_backend import TritonAttentionBackend
 from minillm.sampling_params import SamplingParams
 
 
@@ -141,7 +141,7 @@ def run_fresh_python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_the_triton_backend_runs_from_a_fresh_python_on_a_cpu():
-    # building the model loads torch._dynamo, which imports triton: minillm.model must have
+    # building the model loads torch._dynamo, which imports triton: minillm.model.llama must have
     # switched the interpreter on before that, or tl.sum & co. cannot be interpreted
     code = (
         "from minillm import LLM, SamplingParams\n"

@@ -1,4 +1,4 @@
-"""kernels/benchmark.py: what runs without a GPU (the device lookup, the goals, the
+"""minillm/lab/kernel_bench.py: what runs without a GPU (the device lookup, the goals, the
 refusal), and the whole benchmark in its quick form on a GPU."""
 
 import dataclasses
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kernels.benchmark import (
+from minillm.lab.kernel_bench import (
     Measurement,
     device_slug,
     evaluate_goals,

@@ -3,7 +3,7 @@
 import pytest
 
 from kernels.device import ARCH_LIMITS, DEVICE_COMPUTE_CAPABILITY, occupancy
-from minillm.hardware import DEVICES
+from minillm.lab.hardware import DEVICES
 
 
 def test_shared_memory_per_program_matches_cudas_opt_in_maxima():

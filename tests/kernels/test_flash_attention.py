@@ -17,7 +17,7 @@ from kernels.flash_attention import (
     tile_shared_bytes,
     unfused_attention_bytes,
 )
-from minillm.op_trace import total_bytes, trace_ops
+from minillm.lab.op_trace import total_bytes, trace_ops
 
 
 def make_inputs(q_lens, prefix_lens, num_kv_heads, group, head_dim, block_size, dtype, seed):

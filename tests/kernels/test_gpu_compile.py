@@ -17,7 +17,7 @@ ENV = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
 
 def compile_ahead(*args: str) -> list[dict]:
     result = subprocess.run(
-        [sys.executable, "-m", "kernels.aot", *args],
+        [sys.executable, "-m", "minillm.lab.aot", *args],
         env=ENV,
         capture_output=True,
         text=True,

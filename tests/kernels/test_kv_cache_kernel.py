@@ -23,7 +23,7 @@ def test_reshape_and_cache_matches_reference_and_skips_padding(dtype):
 
 
 def test_reshape_and_cache_agrees_with_the_engine_write():
-    from minillm.attention import write_kv_cache
+    from minillm.model.attention import write_kv_cache
 
     k, v = torch.randn(5, 1, 32, device=DEVICE), torch.randn(5, 1, 32, device=DEVICE)
     slot_mapping = torch.tensor([3, 4, 5, 16, 17], device=DEVICE)

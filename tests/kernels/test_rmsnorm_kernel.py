@@ -41,7 +41,7 @@ def test_rms_norm_of_a_worked_example():
 
 
 def test_rms_norm_keeps_leading_dims_and_matches_the_engine_norm():
-    from minillm.model import RMSNorm
+    from minillm.model.llama import RMSNorm
 
     norm = RMSNorm(48, 1e-6).to(DEVICE)
     with torch.no_grad():

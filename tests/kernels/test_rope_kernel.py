@@ -13,6 +13,7 @@ from kernels.rope import (
     rope_cos_sin_cache,
     rope_flops,
 )
+from minillm.model.rope import rope_inv_freq
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -42,21 +43,25 @@ def test_rope_matches_reference(
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     q, k = q.to(DEVICE, dtype), k.to(DEVICE, dtype)
     positions = torch.randint(0, max_position, (num_tokens,), generator=gen).to(DEVICE)
-    cache = rope_cos_sin_cache(head_dim, 500000.0, rope_scaling, max_position, DEVICE)
+    cache = rope_cos_sin_cache(
+        rope_inv_freq(head_dim, 500000.0, rope_scaling), max_position, DEVICE
+    )
     q_out, k_out = apply_rope(q, k, positions, cache)
-    q_ref, k_ref = apply_rope_reference(q, k, positions, head_dim, 500000.0, rope_scaling)
+    q_ref, k_ref = apply_rope_reference(
+        q, k, positions, rope_inv_freq(head_dim, 500000.0, rope_scaling)
+    )
     assert_close(q_out, q_ref, TOLERANCE[dtype])
     assert_close(k_out, k_ref, TOLERANCE[dtype])
 
 
 def test_rope_equals_the_engine_rope_in_float32():
-    from minillm.rope import RotaryEmbedding
-    from minillm.rope import apply_rope as engine_apply_rope
+    from minillm.model.rope import RotaryEmbedding
+    from minillm.model.rope import apply_rope as engine_apply_rope
 
     q, k = torch.randn(5, 8, 64, device=DEVICE), torch.randn(5, 2, 64, device=DEVICE)
     positions = torch.tensor([0, 1, 17, 300, 4095], device=DEVICE)
     cos, sin = RotaryEmbedding(64, 10000.0, LLAMA3)(positions, torch.float32)
-    cache = rope_cos_sin_cache(64, 10000.0, LLAMA3, 4096, DEVICE)
+    cache = rope_cos_sin_cache(rope_inv_freq(64, 10000.0, LLAMA3), 4096, DEVICE)
     q_out, k_out = apply_rope(q, k, positions, cache)
     torch.testing.assert_close(q_out, engine_apply_rope(q, cos, sin), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(k_out, engine_apply_rope(k, cos, sin), atol=1e-6, rtol=1e-6)
@@ -65,16 +70,18 @@ def test_rope_equals_the_engine_rope_in_float32():
 def test_position_zero_is_the_identity_and_positions_broadcast():
     # [batch, seq, heads, d] with positions [seq], as the model's cache-free forward has
     q, k = torch.randn(2, 3, 4, 16, device=DEVICE), torch.randn(2, 3, 1, 16, device=DEVICE)
-    cache = rope_cos_sin_cache(16, 10000.0, None, 8, DEVICE)
+    cache = rope_cos_sin_cache(rope_inv_freq(16, 10000.0, None), 8, DEVICE)
     q_out, k_out = apply_rope(q, k, torch.arange(3, device=DEVICE), cache)
     assert torch.equal(q_out[:, 0], q[:, 0]) and torch.equal(k_out[:, 0], k[:, 0])
     assert not torch.allclose(q_out[:, 1], q[:, 1])
-    q_ref, _ = apply_rope_reference(q, k, torch.arange(3, device=DEVICE), 16, 10000.0, None)
+    q_ref, _ = apply_rope_reference(
+        q, k, torch.arange(3, device=DEVICE), rope_inv_freq(16, 10000.0, None)
+    )
     torch.testing.assert_close(q_out, q_ref, atol=1e-6, rtol=1e-6)
 
 
 def test_cos_sin_cache_layout():
-    cache = rope_cos_sin_cache(4, 100.0, None, 3)
+    cache = rope_cos_sin_cache(rope_inv_freq(4, 100.0, None), 3)
     # inv_freq = [1, 100^-0.5] = [1, 0.1]; row p = cos(p w), sin(p w)
     angles = torch.tensor([[0.0, 0.0], [1.0, 0.1], [2.0, 0.2]])
     torch.testing.assert_close(cache, torch.cat((angles.cos(), angles.sin()), dim=-1))
@@ -97,7 +104,7 @@ def test_cos_sin_cache_layout():
 )
 def test_bad_input_is_rejected_before_launch(change, message):
     q, k = torch.randn(4, 4, 16), torch.randn(4, 2, 16)
-    positions, cache = torch.arange(4), rope_cos_sin_cache(16, 10000.0, None, 8)
+    positions, cache = torch.arange(4), rope_cos_sin_cache(rope_inv_freq(16, 10000.0, None), 8)
     args = change(q.to(DEVICE), k.to(DEVICE), positions.to(DEVICE), cache.to(DEVICE))
     with pytest.raises(ValueError, match=message):
         apply_rope(*args)
@@ -115,8 +122,8 @@ def test_rope_at_real_sizes(dtype):
     q = torch.randn(8192, 32, 128, device="cuda", dtype=dtype)
     k = torch.randn(8192, 8, 128, device="cuda", dtype=dtype)
     positions = torch.randint(0, 131072, (8192,), device="cuda")
-    cache = rope_cos_sin_cache(128, 500000.0, LLAMA3, 131072, "cuda")
+    cache = rope_cos_sin_cache(rope_inv_freq(128, 500000.0, LLAMA3), 131072, "cuda")
     q_out, k_out = apply_rope(q, k, positions, cache)
-    q_ref, k_ref = apply_rope_reference(q, k, positions, 128, 500000.0, LLAMA3)
+    q_ref, k_ref = apply_rope_reference(q, k, positions, rope_inv_freq(128, 500000.0, LLAMA3))
     assert_close(q_out, q_ref, TOLERANCE[dtype])
     assert_close(k_out, k_ref, TOLERANCE[dtype])

@@ -2,7 +2,7 @@
 
 `transformers` is the oracle throughout: its Llama and its tokenizer share no code with
 minillm's. The held-out loss is recomputed with it and compared with the number that
-`python -m minillm.train card` wrote into training_summary.json and the README.
+`python -m minillm.training.train card` wrote into training_summary.json and the README.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from minillm import SamplingParams
 from minillm.llm import LLM
-from minillm.loader import BUNDLED_MODELS_DIR, DEFAULT_MODEL, load_model, resolve_model_path
-from minillm.tokenizer import Tokenizer
+from minillm.model.loader import BUNDLED_MODELS_DIR, DEFAULT_MODEL, load_model, resolve_model_path
+from minillm.model.tokenizer import Tokenizer
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
@@ -83,7 +83,7 @@ def test_models_fit_in_the_package():
     assert sum(sizes) < 40 * 2**20
     # every file is package data: pyproject's glob must match it, or a wheel would lack it
     pyproject = (pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text()
-    assert 'minillm = ["models/*/*"]' in pyproject
+    assert 'minillm = ["bundled/*/*"]' in pyproject
     for name in NAMES:
         for path in (MODELS_DIR / name).iterdir():
             assert path.is_file(), f"{path}: a subdirectory is not matched by models/*/*"

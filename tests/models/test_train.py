@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from minillm import corpus, train
-from minillm.loader import load_model
+from minillm.model.loader import load_model
+from minillm.training import corpus, train
 
 TINY_SPEC = train.ModelSpec("tiny", 32, 1, 2, 1, 64, 1e-2)
 

@@ -12,7 +12,7 @@ import pathlib
 import nbformat
 import pytest
 
-from minillm.bootstrap import bootstrap_cell
+from minillm.course.bootstrap import bootstrap_cell
 
 REPO_URL = "https://example.org/fixture/minillm"
 

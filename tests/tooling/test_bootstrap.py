@@ -5,14 +5,14 @@ from __future__ import annotations
 import nbformat
 import pytest
 
-from minillm.bootstrap import (
+from minillm.course.bootstrap import (
     bootstrap_cell,
     bootstrap_source,
     is_bootstrap_cell,
     looks_like_bootstrap_cell,
     repository_url,
 )
-from minillm.grading import execute_notebook
+from minillm.course.grading import execute_notebook
 
 from .conftest import REPO_URL, code
 

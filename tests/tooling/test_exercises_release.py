@@ -7,9 +7,15 @@ import json
 import nbformat
 import pytest
 
-from minillm.bootstrap import bootstrap_source
-from minillm.cli import main
-from minillm.exercises import ReleaseError, fix_bootstrap, release, stale_exercises, strip_solutions
+from minillm.cli.main import main
+from minillm.course.bootstrap import bootstrap_source
+from minillm.course.exercises import (
+    ReleaseError,
+    fix_bootstrap,
+    release,
+    stale_exercises,
+    strip_solutions,
+)
 
 from .conftest import REPO_URL, SOLUTION_CELLS, code, md, notebook, replace_source, write_notebook
 

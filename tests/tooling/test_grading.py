@@ -13,9 +13,9 @@ import pathlib
 import nbformat
 import pytest
 
-from minillm.cli import main
-from minillm.exercises import release
-from minillm.grading import grade_notebook, graded_points, write_report
+from minillm.cli.main import main
+from minillm.course.exercises import release
+from minillm.course.grading import grade_notebook, graded_points, write_report
 
 from .conftest import (
     GRADED_POINTS,

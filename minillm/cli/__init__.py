@@ -1,0 +1,1 @@
+"""The `minillm` command; each subcommand is imported only when it runs."""

@@ -1,0 +1,398 @@
+"""The scheduler: which requests run in the next step, and how many tokens each.
+
+Continuous batching: every step forms a new batch from whatever requests are in flight, so a
+request joins the moment there is room and leaves the moment it finishes. Two limits shape a
+step: at most `max_num_batched_tokens` tokens (the token budget) and at most `max_num_seqs`
+sequences. The policy is vLLM V1's, with no separate prefill and decode phases: a request simply
+has `num_tokens - num_computed_tokens` tokens still to compute, one for a decode, many for a
+prompt, and the scheduler hands out the budget:
+
+1. Running requests first, oldest first: each gets min(its remaining tokens, budget left). A
+   long prompt is thereby split over several steps (chunked prefill). When the KV cache has no
+   block for a running request, the newest running request is preempted: its blocks are freed
+   and it goes back to the front of the waiting queue, to be recomputed later.
+2. Then waiting requests, in the order of the scheduling policy (first come first served by
+   default), while budget, seats and blocks remain. A newly admitted request starts after its
+   longest cached prefix (prefix caching).
+
+Two options change the policy. `scheduling_policy` orders the waiting queue: "fcfs" (arrival
+order), "priority" (lowest `priority` value first, as in vLLM; preemption then takes the lowest
+priority first) or "sjf" (shortest job first: the fewest tokens left to compute and generate).
+`batching_type="static"` turns continuous batching off: a batch is formed only when the previous
+one has completely finished, and nobody joins it on the way (TensorRT-LLM's name for the option).
+
+After the model runs, `update_from_output` appends each sampled token and decides whether the
+request is finished (`check_stop`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from minillm.core.kv_cache_manager import KVCacheManager
+from minillm.core.metrics import StepTrace
+from minillm.core.request import Request, RequestStatus
+from minillm.outputs import SampledToken
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")
+BATCHING_TYPES = ("continuous", "static")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens num_computed_tokens .. + num_new_tokens - 1 of its
+    all_token_ids, as planned (the request itself moves on after the step)."""
+
+    request: Request
+    num_computed_tokens: int  # tokens already in the KV cache: where this step's chunk starts
+    num_new_tokens: int
+    # the chunk reaches the request's last token, so the step samples the next one; a prefill
+    # chunk short of the end of the prompt samples nothing
+    samples: bool
+    phase: str  # "decode" (the token after the last sampled one) or "prefill"
+
+    @classmethod
+    def plan(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        samples = request.num_computed_tokens + num_new_tokens == request.num_tokens
+        # a preempted request recomputing its output tokens is prefilling again
+        is_decode = samples and num_new_tokens == 1 and request.num_output_tokens > 0
+        return cls(
+            request=request,
+            num_computed_tokens=request.num_computed_tokens,
+            num_new_tokens=num_new_tokens,
+            samples=samples,
+            phase="decode" if is_decode else "prefill",
+        )
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The plan of one step: the requests to run, in batch order, with their new tokens."""
+
+    step: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_waiting: int = 0  # requests left in the waiting queue once the step was planned
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def trace(self) -> StepTrace:
+        """A compact record of the step, for tables and plots."""
+        return StepTrace(
+            step=self.step,
+            scheduled=[(s.request.request_id, s.num_new_tokens, s.phase) for s in self.scheduled],
+            preempted=[r.request_id for r in self.preempted],
+            num_waiting=self.num_waiting,
+        )
+
+
+class Scheduler:
+    """Continuous batching with a token budget, chunked prefill and preemption by recompute."""
+
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+        scheduling_policy: str = "fcfs",
+        batching_type: str = "continuous",
+    ) -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}"
+            )
+        if batching_type not in BATCHING_TYPES:
+            raise ValueError(
+                f"batching_type must be one of {BATCHING_TYPES}, got {batching_type!r}"
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"without chunked prefill a whole sequence must fit one step: "
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+                f"max_model_len ({max_model_len})"
+            )
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.clock = clock
+        self.scheduling_policy = scheduling_policy
+        self.batching_type = batching_type
+        # in arrival order, preempted requests in front; the policy orders it (waiting_order)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.static_batch: set[str] = set()  # batching_type="static": ids of the current batch
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running_seqs(self) -> int:
+        """Seats taken: a running request with n > 1 holds seats for its forks to come."""
+        return sum(request.num_seqs for request in self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step: running requests first, then waiting ones (chunked prefill)."""
+        output = SchedulerOutput(step=self.num_steps)
+        self.num_steps += 1
+        token_budget = self._schedule_running(output, self.max_num_batched_tokens)
+        # a step that had to preempt has no blocks to spare for new requests
+        if not output.preempted:
+            self._schedule_waiting(output, token_budget)
+        output.num_waiting = len(self.waiting)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, token_budget: int) -> int:
+        """Give each running request, oldest first, min(its remaining tokens, budget left).
+
+        Returns the budget left over.
+        """
+        budget = token_budget
+        # running[:len(output.scheduled)] are the requests planned so far, in order
+        while len(output.scheduled) < len(self.running) and token_budget > 0:
+            request = self.running[len(output.scheduled)]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if not self._allocate_or_preempt(request, num_new_tokens, output):
+                break  # the request preempted itself: nobody of lower rank is left to make room
+            output.scheduled.append(ScheduledRequest.plan(request, num_new_tokens))
+            # (recounted: a victim planned earlier in this step has given its tokens back)
+            token_budget = budget - output.num_batched_tokens
+        return token_budget
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, output: SchedulerOutput
+    ) -> bool:
+        """Find blocks for a running request, preempting others until they fit: the newest
+        request first, or under the priority policy the lowest priority first.
+
+        Returns False when the request itself had to be preempted.
+        """
+        while not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
+            victim = self._preemption_victim()
+            self.running.remove(victim)
+            # under the priority policy the victim may already be planned for this step
+            output.scheduled = [s for s in output.scheduled if s.request is not victim]
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preemption_victim(self) -> Request:
+        """vLLM's choice: the newest running request, or under the priority policy the one with
+        the largest (priority, arrival_time), the newest among equals."""
+        if self.scheduling_policy == "priority":
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the request's KV, requeue it at the front.
+
+        Its output tokens are kept; on resume they are recomputed as part of its "prompt"
+        (all_token_ids), possibly served from the prefix cache.
+        """
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def waiting_order(self) -> list[Request]:
+        """The waiting queue in the order the scheduling policy serves it; ties keep queue order
+        (arrival order, preempted requests first)."""
+        if self.scheduling_policy == "priority":
+            return sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        if self.scheduling_policy == "sjf":
+            return sorted(self.waiting, key=lambda r: remaining_work_tokens(r, self.max_model_len))
+        return list(self.waiting)
+
+    def _admission_order(self) -> list[Request]:
+        """The waiting requests that may be admitted, in order. Static batching admits only the
+        members of the current batch, and forms the next batch once nothing of it is left."""
+        order = self.waiting_order()
+        if self.batching_type == "continuous":
+            return order
+        if not self.running and not any(r.request_id in self.static_batch for r in order):
+            self.static_batch.clear()
+            num_seats = 0
+            for request in order:
+                if num_seats + request.num_seqs > self.max_num_seqs:
+                    break
+                num_seats += request.num_seqs
+                self.static_batch.add(request.request_id)
+        return [r for r in order if r.request_id in self.static_batch]
+
+    def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
+        """Admit waiting requests in the policy's order while budget, seats and blocks remain."""
+        for request in self._admission_order():
+            if token_budget <= 0:
+                break
+            if self.num_running_seqs + request.num_seqs > self.max_num_seqs:
+                break
+            # prefix caching: skip the tokens whose KV is already in cached blocks
+            cached_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_cached_tokens
+            if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+                break  # without chunking a prompt runs whole or waits
+            num_new_tokens = min(num_new_tokens, token_budget)
+            if not self.kv_cache_manager.allocate_slots(request, num_new_tokens, cached_blocks):
+                break  # head-of-line blocking: nobody overtakes the head of the queue
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached_tokens
+            request.metrics.record_scheduled(self.clock())
+            self.running.append(request)
+            output.scheduled.append(ScheduledRequest.plan(request, num_new_tokens))
+            token_budget -= num_new_tokens
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, SampledToken]
+    ) -> list[Request]:
+        """Advance the scheduled requests past the step that just ran.
+
+        `sampled` holds the token of every request whose step sampled one (and of its forks).
+        Returns the requests that got a new token, finished ones included.
+        """
+        now = self.clock()
+        progressed: list[Request] = []
+        for scheduled in output.scheduled:
+            request = scheduled.request
+            request.num_computed_tokens += scheduled.num_new_tokens
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if not scheduled.samples:
+                continue
+            forks = self._fork(request)
+            for seq in (request, *forks):
+                self._append_token(seq, sampled[seq.request_id], now)
+                progressed.append(seq)
+        return progressed
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """n > 1: the prompt is computed once; the other completions now share its blocks.
+
+        Each fork holds a reference to every block of the parent, so the prompt's KV is stored
+        once; the first decode write into a shared, partly filled block copies it (copy-on-write).
+        """
+        forks, parent.pending_forks = parent.pending_forks, []
+        for fork in forks:
+            self.kv_cache_manager.fork(parent, fork)
+            fork.num_computed_tokens = parent.num_computed_tokens
+            fork.status = RequestStatus.RUNNING
+            fork.metrics.record_scheduled(parent.metrics.first_scheduled_time)
+            self.requests[fork.request_id] = fork
+            self.running.append(fork)
+        return forks
+
+    def _append_token(self, request: Request, sampled: SampledToken, now: float) -> None:
+        request.append_output_token(sampled.token_id, sampled.logprobs)
+        request.metrics.record_token(now)
+        if check_stop(request, self.max_model_len):
+            self._free_finished(request, now)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside the step (abort), wherever they are in the queues."""
+        now = self.clock()
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # already finished
+            if request in self.waiting:
+                self.waiting.remove(request)
+            for seq in (request, *request.pending_forks):
+                seq.status = status
+                seq.metrics.record_finished(now)
+            request.pending_forks = []
+            self._free_finished(request, now)
+
+    def _free_finished(self, request: Request, now: float) -> None:
+        """A finished request leaves the batch and gives back its blocks."""
+        request.metrics.record_finished(now)
+        if request in self.running:
+            self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+
+def remaining_work_tokens(request: Request, max_model_len: int) -> int:
+    """The size of a request's job as the server knows it: tokens still to compute (its prompt,
+    or everything after preemption) plus tokens it may still generate (max_tokens, or up to
+    max_model_len without one). Shortest job first sorts by this upper bound; the real output
+    length is unknown until the request stops."""
+    max_tokens = request.sampling_params.max_tokens
+    max_total_tokens = request.num_prompt_tokens + (
+        max_tokens if max_tokens is not None else max_model_len
+    )
+    num_to_generate = min(max_total_tokens, max_model_len) - request.num_tokens
+    return request.num_tokens - request.num_computed_tokens + num_to_generate
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Decide whether the token just appended finishes the request; detokenize it.
+
+    The order is vLLM's. Stop tokens first (EOS unless ignore_eos, then stop_token_ids); the
+    stop token's text is left out unless include_stop_str_in_output. Then stop strings, searched
+    in the text so far; the text is cut at the stop string (or after it, when it is to be
+    included). Both only once min_tokens tokens are out. Last, the length limits: max_tokens and
+    max_model_len.
+    """
+    params = request.sampling_params
+    token_id = request.output_token_ids[-1]
+    may_stop = request.num_output_tokens >= params.min_tokens
+    is_eos = token_id in request.eos_token_ids and not params.ignore_eos
+    if may_stop and (is_eos or token_id in params.stop_token_ids):
+        if params.include_stop_str_in_output:
+            request.detokenize_last_token()
+        stop_reason = token_id if token_id in params.stop_token_ids else None  # EOS: None
+        return _finish(request, RequestStatus.FINISHED_STOPPED, stop_reason)
+
+    new_text = request.detokenize_last_token()
+    if may_stop and new_text and params.stop:
+        stop = find_stop_string(request.output_text, len(new_text), params.stop)
+        if stop is not None:
+            stop_str, stop_index = stop
+            if params.include_stop_str_in_output:
+                stop_index += len(stop_str)
+            request.output_text = request.output_text[:stop_index]
+            return _finish(request, RequestStatus.FINISHED_STOPPED, stop_str)
+
+    max_tokens = params.max_tokens
+    if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
+        request.num_tokens >= max_model_len
+    ):
+        return _finish(request, RequestStatus.FINISHED_LENGTH, None)
+    return False
+
+
+def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> tuple[str, int] | None:
+    """The first stop string that ends within the last `num_new_chars` characters of `text`, and
+    where it starts. Only a match touching the new characters is new: earlier text was searched
+    on earlier tokens."""
+    for stop_str in stop:
+        start = max(0, len(text) - num_new_chars - len(stop_str) + 1)
+        stop_index = text.find(stop_str, start)
+        if stop_index != -1:
+            return stop_str, stop_index
+    return None
+
+
+def _finish(request: Request, status: RequestStatus, stop_reason: int | str | None) -> bool:
+    request.status = status
+    request.stop_reason = stop_reason
+    return True

@@ -1,0 +1,2 @@
+"""The course tooling: exercise release, grading, the Colab bootstrap, notebook generation
+and the book's glue."""

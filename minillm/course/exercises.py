@@ -1,0 +1,361 @@
+"""Release the exercise notebooks: `exercises/` is generated from `solutions/`.
+
+A solution notebook (`solutions/chNN_<topic>.ipynb`, stored with its outputs) is the
+single source of an exercise. `minillm exercises release` writes, for each one, the
+student's copy in `exercises/`:
+
+- every `### BEGIN SOLUTION` ... `### END SOLUTION` region of a code cell (whole lines,
+  markers included) becomes `# YOUR CODE HERE` and a `raise NotImplementedError(...)`
+  line, at the indentation of the BEGIN line;
+- outputs and execution counts are cleared;
+- metadata is normalized: the notebook keeps a python3 kernelspec and
+  `language_info.name`, a cell keeps only `tags`, `editable` and `deletable`; cell ids
+  are `cell-0`, `cell-1`, ...; the JSON is nbformat 4.5 as `nbformat.writes` formats it,
+  so releasing twice gives identical bytes.
+
+Every solution must start with the bootstrap cell (`minillm.course.bootstrap`) for the
+repository URL in `_config.yml`. Release refuses a notebook whose first cell is not
+exactly that cell; `release --fix-bootstrap` first rewrites the solution notebooks,
+replacing an outdated bootstrap cell or inserting one at the top, then releases.
+
+Release validates every solution notebook before it writes anything: a marker that is
+unbalanced, nested, or outside a code cell, a malformed `# GRADED` line, or a missing
+bootstrap is an error naming the notebook and the cell, and no file is written.
+Exercise notebooks whose solution is gone are removed. `minillm exercises check`
+exits 1 and names each file of `exercises/` that differs from what release would
+write, is missing, or has no source in `solutions/`.
+
+How an author writes an exercise: a code cell defines the function the student
+writes, with the answer between the markers; the next code cell, starting with
+`# GRADED: N points`, checks it. Only graded cells may call the student's functions,
+so that the released notebook fails exactly at its graded cells.
+`minillm exercises execute` runs the solution notebooks and stores their outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import pathlib
+import re
+import sys
+
+import nbformat
+
+from minillm.course.bootstrap import (
+    bootstrap_cell,
+    is_bootstrap_cell,
+    looks_like_bootstrap_cell,
+    repository_url,
+)
+from minillm.course.grading import (
+    DEFAULT_TIMEOUT_S,
+    GRADED_RE,
+    NotebookReadError,
+    execute_notebook,
+    read_notebook,
+)
+
+BEGIN_MARKER = "### BEGIN SOLUTION"
+END_MARKER = "### END SOLUTION"
+STUB_LINES = (
+    "# YOUR CODE HERE",
+    'raise NotImplementedError("replace this line with your solution")',
+)
+KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+CELL_METADATA_KEYS = ("deletable", "editable", "tags")
+_GRADED_LINE = re.compile(r"^\s*#\s*GRADED\b")
+
+
+class ReleaseError(Exception):
+    """Solution notebooks that cannot be released; the message lists every problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def strip_solutions(source: str) -> str:
+    """Replace each solution region of a code cell's source by the stub lines.
+
+    Raises ValueError naming the line of an unbalanced or nested marker.
+    """
+    out: list[str] = []
+    begin_line: int | None = None
+    for lineno, line in enumerate(source.split("\n"), start=1):
+        stripped = line.strip()
+        if stripped.startswith(BEGIN_MARKER):
+            if begin_line is not None:
+                raise ValueError(
+                    f"line {lineno}: {BEGIN_MARKER} inside the region opened at line "
+                    f"{begin_line} (regions cannot nest)"
+                )
+            begin_line = lineno
+            indent = line[: len(line) - len(line.lstrip())]
+            out.extend(indent + stub for stub in STUB_LINES)
+        elif stripped.startswith(END_MARKER):
+            if begin_line is None:
+                raise ValueError(f"line {lineno}: {END_MARKER} without a {BEGIN_MARKER} before it")
+            begin_line = None
+        elif begin_line is None:
+            out.append(line)
+    if begin_line is not None:
+        raise ValueError(f"line {begin_line}: {BEGIN_MARKER} is never closed by {END_MARKER}")
+    return "\n".join(out)
+
+
+def _has_marker(source: str) -> bool:
+    return any(line.strip().startswith((BEGIN_MARKER, END_MARKER)) for line in source.split("\n"))
+
+
+def _check_graded_markers(source: str) -> None:
+    for line in source.split("\n"):
+        if _GRADED_LINE.match(line) and not GRADED_RE.match(line):
+            raise ValueError(f"malformed {line.strip()!r}, expected '# GRADED: N points'")
+
+
+def exercise_notebook(solution: nbformat.NotebookNode, repo_url: str) -> str:
+    """The released exercise (notebook JSON text) for one solution notebook.
+
+    Raises ValueError starting with "cell N:" for the first problem found.
+    """
+    if not solution.cells or not is_bootstrap_cell(solution.cells[0], repo_url):
+        raise ValueError(
+            f"cell 0: not the bootstrap cell for {repo_url}; run "
+            "`minillm exercises release --fix-bootstrap` to insert or update it"
+        )
+    cells = []
+    for index, cell in enumerate(solution.cells):
+        source = cell.source
+        try:
+            if cell.cell_type == "code":
+                source = strip_solutions(source)
+            elif _has_marker(source):
+                raise ValueError(f"solution markers in a {cell.cell_type} cell (code cells only)")
+            if cell.cell_type == "code":
+                _check_graded_markers(source)
+        except ValueError as exc:
+            raise ValueError(f"cell {index}: {exc}") from None
+        if cell.cell_type == "code":
+            new = nbformat.v4.new_code_cell(source)
+        elif cell.cell_type == "markdown":
+            new = nbformat.v4.new_markdown_cell(source)
+            if "attachments" in cell:
+                new.attachments = cell.attachments
+        else:
+            new = nbformat.v4.new_raw_cell(source)
+        new.metadata = {k: cell.metadata[k] for k in CELL_METADATA_KEYS if k in cell.metadata}
+        new.id = f"cell-{index}"
+        cells.append(new)
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata = {"kernelspec": dict(KERNELSPEC), "language_info": {"name": "python"}}
+    nbformat.validate(nb)
+    return nbformat.writes(nb, version=4) + "\n"
+
+
+def plan_release(solutions_dir: pathlib.Path, repo_url: str) -> dict[str, str]:
+    """Validate every solution notebook; returns {file name: exercise text}.
+
+    Raises ReleaseError listing every problem in every notebook.
+    """
+    if not solutions_dir.is_dir():
+        raise ReleaseError([f"{solutions_dir}: no such folder of solution notebooks"])
+    planned: dict[str, str] = {}
+    problems: list[str] = []
+    for path in sorted(solutions_dir.glob("*.ipynb")):
+        try:
+            planned[path.name] = exercise_notebook(read_notebook(path), repo_url)
+        except (NotebookReadError, ValueError) as exc:
+            problems.append(f"{path}: {exc}")
+    if problems:
+        raise ReleaseError(problems)
+    return planned
+
+
+def release(solutions_dir: pathlib.Path, exercises_dir: pathlib.Path, repo_url: str) -> list[str]:
+    """Regenerate `exercises_dir` from `solutions_dir`; returns one line per file changed."""
+    planned = plan_release(solutions_dir, repo_url)
+    exercises_dir.mkdir(parents=True, exist_ok=True)
+    changes = []
+    for path in sorted(exercises_dir.glob("*.ipynb")):
+        if path.name not in planned:
+            path.unlink()
+            changes.append(f"removed {path} (no source in {solutions_dir})")
+    for name, text in planned.items():
+        path = exercises_dir / name
+        data = text.encode("utf-8")
+        if not path.exists() or path.read_bytes() != data:
+            path.write_bytes(data)
+            changes.append(f"wrote {path}")
+    return changes
+
+
+def stale_exercises(
+    solutions_dir: pathlib.Path, exercises_dir: pathlib.Path, repo_url: str
+) -> list[str]:
+    """One line per exercise notebook that differs, is missing, or has no source."""
+    planned = plan_release(solutions_dir, repo_url)
+    stale = []
+    for name, text in planned.items():
+        path = exercises_dir / name
+        if not path.exists():
+            stale.append(f"{path}: missing")
+        elif path.read_bytes() != text.encode("utf-8"):
+            stale.append(f"{path}: differs from its solution {solutions_dir / name}")
+    for path in sorted(exercises_dir.glob("*.ipynb")):
+        if path.name not in planned:
+            stale.append(f"{path}: has no source in {solutions_dir}")
+    return stale
+
+
+def fix_bootstrap(solutions_dir: pathlib.Path, repo_url: str) -> list[pathlib.Path]:
+    """Make the first cell of every solution notebook the current bootstrap cell.
+
+    Replaces a bootstrap cell of another URL or version, or inserts one at the top.
+    Returns the notebooks rewritten; notebooks that cannot be read are left for release
+    to report.
+    """
+    changed = []
+    for path in sorted(solutions_dir.glob("*.ipynb")):
+        try:
+            nb = read_notebook(path)
+        except NotebookReadError:
+            continue
+        if nb.cells and is_bootstrap_cell(nb.cells[0], repo_url):
+            continue
+        cell = bootstrap_cell(repo_url)
+        if nb.cells and looks_like_bootstrap_cell(nb.cells[0]):
+            cell.id = nb.cells[0].get("id", cell.id)
+            nb.cells[0] = cell
+        else:
+            nb.cells.insert(0, cell)
+        path.write_text(nbformat.writes(nb, version=4) + "\n", encoding="utf-8")
+        changed.append(path)
+    return changed
+
+
+def execute_solutions(paths: list[pathlib.Path], timeout_s: int) -> list[str]:
+    """Run each solution notebook and store its outputs; returns one line per failure.
+
+    A notebook with a cell that raises is not written.
+    """
+    failures = []
+    for path in paths:
+        nb = read_notebook(path)
+        # Keep the stored metadata: the kernel would add its own Python version.
+        metadata = copy.deepcopy(nb.metadata)
+        errors = execute_notebook(nb, path.resolve().parent, timeout_s)
+        nb.metadata = metadata
+        failed = {i: e for i, e in errors.items() if e is not None}
+        if failed:
+            failures.extend(f"{path}, cell {i}: {e}" for i, e in sorted(failed.items()))
+            continue
+        path.write_text(nbformat.writes(nb, version=4) + "\n", encoding="utf-8")
+    return failures
+
+
+def find_root(start: pathlib.Path) -> pathlib.Path:
+    """The nearest folder at or above `start` that holds `pyproject.toml`."""
+    for folder in (start, *start.parents):
+        if (folder / "pyproject.toml").is_file():
+            return folder
+    raise FileNotFoundError(
+        f"no pyproject.toml at or above {start}: run inside the repository, "
+        "or pass --solutions, --exercises and --config"
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "exercises", help="release exercise notebooks from their solutions, or check them"
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    release_parser = actions.add_parser(
+        "release",
+        help="regenerate exercises/ from solutions/",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    release_parser.add_argument(
+        "--fix-bootstrap",
+        action="store_true",
+        help="first rewrite each solution so that its first cell is the current bootstrap",
+    )
+    check_parser = actions.add_parser(
+        "check", help="exit 1, naming the files, when exercises/ is out of date"
+    )
+    execute_parser = actions.add_parser(
+        "execute", help="run solution notebooks and store their outputs"
+    )
+    execute_parser.add_argument(
+        "notebooks", nargs="*", type=pathlib.Path, help="default: every solution notebook"
+    )
+    execute_parser.add_argument(
+        "--timeout", type=int, default=DEFAULT_TIMEOUT_S, metavar="SECONDS", help="per cell"
+    )
+    for sub, func in ((release_parser, _release), (check_parser, _check)):
+        sub.add_argument("--solutions", type=pathlib.Path, help="default: <repo>/solutions")
+        sub.add_argument("--exercises", type=pathlib.Path, help="default: <repo>/exercises")
+        sub.add_argument("--config", type=pathlib.Path, help="default: <repo>/_config.yml")
+        sub.set_defaults(func=func)
+    execute_parser.set_defaults(func=_execute)
+
+
+def _folders(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
+    if args.solutions and args.exercises and args.config:
+        return args.solutions, args.exercises, args.config
+    root = find_root(pathlib.Path.cwd())
+    return (
+        args.solutions or root / "solutions",
+        args.exercises or root / "exercises",
+        args.config or root / "_config.yml",
+    )
+
+
+def _fail(message: str) -> int:
+    print(f"minillm exercises: {message}", file=sys.stderr)
+    return 1
+
+
+def _release(args: argparse.Namespace) -> int:
+    try:
+        solutions, exercises, config = _folders(args)
+        repo_url = repository_url(config)
+        if args.fix_bootstrap:
+            for path in fix_bootstrap(solutions, repo_url):
+                print(f"updated the bootstrap cell of {path}")
+        changes = release(solutions, exercises, repo_url)
+    except ReleaseError as exc:
+        return _fail(f"no exercise written:\n{exc}")
+    except (FileNotFoundError, ValueError) as exc:
+        return _fail(str(exc))
+    print("\n".join(changes) if changes else f"{exercises} is up to date")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        solutions, exercises, config = _folders(args)
+        stale = stale_exercises(solutions, exercises, repository_url(config))
+    except (ReleaseError, FileNotFoundError, ValueError) as exc:
+        return _fail(str(exc))
+    for line in stale:
+        print(f"stale: {line}", file=sys.stderr)
+    if stale:
+        print("run `minillm exercises release` to regenerate them", file=sys.stderr)
+        return 1
+    print(f"{exercises} is up to date with {solutions}")
+    return 0
+
+
+def _execute(args: argparse.Namespace) -> int:
+    try:
+        paths = args.notebooks or sorted(
+            (find_root(pathlib.Path.cwd()) / "solutions").glob("*.ipynb")
+        )
+        failures = execute_solutions(paths, args.timeout)
+    except (FileNotFoundError, NotebookReadError) as exc:
+        return _fail(str(exc))
+    for line in failures:
+        print(f"failed: {line}", file=sys.stderr)
+    return 1 if failures else 0

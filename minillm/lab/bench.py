@@ -1,0 +1,264 @@
+"""`minillm bench offline`: continuous batching against its two baselines, in one run.
+
+The same model and the same requests go through three systems on the same machine:
+
+- minillm with continuous batching (every request queued at once);
+- minillm one request at a time (the same engine, each prompt alone);
+- `transformers` `generate` with static batches: requests are grouped in arrival order, and
+  each group runs until its longest output is done, with padding for shorter prompts.
+
+Each request asks for a fixed number of output tokens (EOS ignored), so the three systems do
+the same useful work: throughput counts only the requested tokens, never the padding or the
+steps a static batch keeps running for its longest member. Speed is measured, not asserted:
+the command prints tokens/s for each system and the ratios between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Workload:
+    """Prompts (token ids) and the number of output tokens each one asks for."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+@dataclass(slots=True)
+class BenchResult:
+    system: str
+    elapsed_s: float
+    num_requests: int
+    num_output_tokens: int
+    num_prompt_tokens: int
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.num_output_tokens + self.num_prompt_tokens) / self.elapsed_s
+
+
+def make_workload(
+    num_requests: int,
+    input_len_range: tuple[int, int],
+    output_len_range: tuple[int, int],
+    vocab_size: int,
+    special_ids: set[int],
+    seed: int,
+) -> Workload:
+    """Random prompt and output lengths (uniform, inclusive) and random ordinary token ids."""
+    rng = np.random.default_rng(seed)
+    ordinary = np.array([t for t in range(vocab_size) if t not in special_ids])
+    input_lens = rng.integers(input_len_range[0], input_len_range[1] + 1, num_requests)
+    output_lens = rng.integers(output_len_range[0], output_len_range[1] + 1, num_requests)
+    prompts = [rng.choice(ordinary, size=int(n)).tolist() for n in input_lens]
+    return Workload(prompts, [int(n) for n in output_lens])
+
+
+def run_minillm(llm, workload: Workload, one_at_a_time: bool) -> BenchResult:
+    from minillm.sampling_params import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
+    start = time.perf_counter()
+    if one_at_a_time:
+        outputs = [
+            llm.generate([prompt], p, use_tqdm=False)[0]
+            for prompt, p in zip(workload.prompts, params, strict=True)
+        ]
+    else:
+        outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    elapsed_s = time.perf_counter() - start
+    produced = [len(o.outputs[0].token_ids) for o in outputs]
+    if produced != workload.output_lens:
+        raise RuntimeError("minillm produced a different number of tokens than requested")
+    system = "minillm, one request at a time" if one_at_a_time else "minillm, continuous batching"
+    return BenchResult(system, elapsed_s, len(outputs), sum(produced), workload.num_prompt_tokens)
+
+
+def run_transformers(model, pad_id: int, workload: Workload, batch_size: int) -> BenchResult:
+    """Static batching: left-padded groups in arrival order, each run to its longest output."""
+    import torch
+
+    start = time.perf_counter()
+    for first in range(0, len(workload.prompts), batch_size):
+        prompts = workload.prompts[first : first + batch_size]
+        max_new = max(workload.output_lens[first : first + batch_size])
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=False,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                pad_token_id=pad_id,
+            )
+        if out.shape[1] != width + max_new:
+            raise RuntimeError("transformers stopped before max_new_tokens")
+    elapsed_s = time.perf_counter() - start
+    return BenchResult(
+        f"transformers generate, static batches of {batch_size}",
+        elapsed_s,
+        len(workload.prompts),
+        workload.num_output_tokens,
+        workload.num_prompt_tokens,
+    )
+
+
+def bench_offline(args: argparse.Namespace) -> dict:
+    """Run the three systems on one workload; returns a JSON-ready record of the run."""
+    import torch
+
+    from minillm.llm import LLM
+    from minillm.model.loader import DEFAULT_MODEL, resolve_model_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_path = resolve_model_path(args.model or DEFAULT_MODEL)
+    llm = LLM(str(model_path), dtype=args.dtype, max_num_seqs=args.max_num_seqs, device="cpu")
+    tokenizer = llm.get_tokenizer()
+    config = llm.engine.config
+    specials = {
+        t
+        for t in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        if t is not None
+    }
+    workload = make_workload(
+        args.num_requests,
+        tuple(args.input_len),
+        tuple(args.output_len),
+        config.vocab_size,
+        specials,
+        args.seed,
+    )
+    warmup = Workload(workload.prompts[:2], [4, 4])
+    run_minillm(llm, warmup, one_at_a_time=False)
+    results = [run_minillm(llm, workload, one_at_a_time=False)]
+    results.append(run_minillm(llm, workload, one_at_a_time=True))
+    if not args.skip_transformers:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, args.dtype)
+        )
+        hf_model.eval()
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        run_transformers(hf_model, pad_id, warmup, args.batch_size)
+        results.append(run_transformers(hf_model, pad_id, workload, args.batch_size))
+
+    baseline = results[0].output_tokens_per_s
+    print(
+        f"{len(workload.prompts)} requests, {workload.num_prompt_tokens} prompt tokens, "
+        f"{workload.num_output_tokens} output tokens; model {model_path.name}, "
+        f"{args.dtype}, {torch.get_num_threads()} threads"
+    )
+    print(f"{'system':<46} {'time (s)':>9} {'out tok/s':>10} {'total tok/s':>12} {'CB / this':>10}")
+    for r in results:
+        print(
+            f"{r.system:<46} {r.elapsed_s:9.2f} {r.output_tokens_per_s:10.1f} "
+            f"{r.total_tokens_per_s:12.1f} {baseline / r.output_tokens_per_s:9.2f}x"
+        )
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "model": str(args.model or DEFAULT_MODEL),
+        "dtype": args.dtype,
+        "workload": {
+            "num_requests": len(workload.prompts),
+            "input_len": list(args.input_len),
+            "output_len": list(args.output_len),
+            "seed": args.seed,
+            "num_prompt_tokens": workload.num_prompt_tokens,
+            "num_output_tokens": workload.num_output_tokens,
+        },
+        "results": [
+            {
+                **asdict(r),
+                "output_tokens_per_s": r.output_tokens_per_s,
+                "total_tokens_per_s": r.total_tokens_per_s,
+            }
+            for r in results
+        ],
+        "speedup_vs": {r.system: baseline / r.output_tokens_per_s for r in results[1:]},
+    }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks (speed is measured, never asserted)")
+    kinds = parser.add_subparsers(dest="kind", required=True, metavar="KIND")
+    offline = kinds.add_parser(
+        "offline", help="continuous batching vs one at a time vs transformers static batches"
+    )
+    offline.add_argument(
+        "--model", default=None, help="HF directory or bundled name (default: bundled)"
+    )
+    offline.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    offline.add_argument("--num-requests", type=int, default=64)
+    offline.add_argument(
+        "--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX")
+    )
+    offline.add_argument(
+        "--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX")
+    )
+    offline.add_argument("--max-num-seqs", type=int, default=64)
+    offline.add_argument(
+        "--batch-size", type=int, default=16, help="static batch size for transformers"
+    )
+    offline.add_argument("--seed", type=int, default=0)
+    offline.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0: torch's default)"
+    )
+    offline.add_argument("--skip-transformers", action="store_true")
+    offline.add_argument("--json", default=None, help="write the results to this JSON file")
+    offline.set_defaults(func=_run_offline)
+
+
+def _run_offline(args: argparse.Namespace) -> int:
+    record = bench_offline(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+    return 0

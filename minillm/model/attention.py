@@ -1,0 +1,214 @@
+"""Paged attention: batch metadata, the KV-cache write, and the attention backends.
+
+The KV cache of one layer is one tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+(index 0 keys, 1 values). A sequence's tokens live in the blocks its block table lists, in
+order, so its token t sits in slot `block_table[t // block_size] * block_size + t % block_size`
+(PagedAttention: Kwon et al., 2023, "Efficient Memory Management for Large Language Model
+Serving with PagedAttention").
+
+A backend turns (q, k, v, kv_cache_layer, meta) into the attention output of a flat batch.
+The model picks one by name; `torch` is the reference, written to be read, not to be fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """A flat batch: the new tokens of num_seqs sequences packed back to back."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's K/V is written to
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cu_seqlens of the new (query) tokens
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length of each seq INCLUDING its new tokens
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store the new tokens' keys and values in their cache slots.
+
+    k, v: [num_tokens, num_kv_heads, head_dim]; kv_cache_layer: [2, num_blocks, block_size,
+    num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64.
+    """
+    _, _, _, num_kv_heads, head_dim = kv_cache_layer.shape
+    # A slot indexes the (num_blocks * block_size) token rows of the cache, block-major.
+    key_rows = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)
+    value_rows = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)
+    key_rows.index_copy_(0, slot_mapping, k.to(kv_cache_layer.dtype))
+    value_rows.index_copy_(0, slot_mapping, v.to(kv_cache_layer.dtype))
+
+
+def torch_paged_attention(
+    q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its cached context.
+
+    q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+    Query j of a sequence with q_len new tokens and seq_len context sits at position
+    seq_len - q_len + j and sees context positions 0 .. seq_len - q_len + j.
+    Decode sequences (one new token each) are attended together in one batched call;
+    sequences with several new tokens (prefill chunks) one at a time.
+    """
+    out = torch.empty_like(q)
+    q_lens = meta.query_start_loc.diff()
+    decode_seqs = (q_lens == 1).nonzero().flatten()
+    if decode_seqs.numel() > 0:
+        rows = meta.query_start_loc[decode_seqs].long()  # the one query token of each
+        out[rows] = paged_decode_attention(
+            q[rows],
+            kv_cache_layer,
+            meta.block_tables[decode_seqs],
+            meta.seq_lens[decode_seqs],
+            meta.block_size,
+            scale,
+        )
+    query_start_loc = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    for i in (q_lens > 1).nonzero().flatten().tolist():
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        out[start:end] = prefill_attention(
+            q[start:end], kv_cache_layer, meta.block_tables[i], seq_lens[i], meta.block_size, scale
+        )
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's q_len new queries over its seq_len cached tokens, causally.
+
+    q: [q_len, num_heads, head_dim]; block_table: [max_num_blocks] -> [q_len, num_heads,
+    head_dim]. Scores and softmax in float32.
+    """
+    q_len, num_heads, _ = q.shape
+    num_kv_heads = kv_cache_layer.shape[3]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    # gather: [num_blocks, block_size, kv_heads, d] -> [seq_len, kv_heads, d]
+    k = kv_cache_layer[0, blocks].flatten(0, 1)[:seq_len].float()
+    v = kv_cache_layer[1, blocks].flatten(0, 1)[:seq_len].float()
+    # grouped-query attention: query head h reads kv head h // (num_heads / num_kv_heads)
+    k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+    key_pos = torch.arange(seq_len, device=q.device)
+    scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence over its whole context, for all sequences at once.
+
+    q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_num_blocks];
+    seq_lens: [num_seqs] -> [num_seqs, num_heads, head_dim]. The contexts are gathered into
+    one padded [num_seqs, max_seq_len] batch and attended with a padding mask, in float32.
+    """
+    num_kv_heads, head_dim = kv_cache_layer.shape[3:]
+    seq_lens = seq_lens.long()
+    positions = torch.arange(int(seq_lens.max()), device=q.device)
+    # Padding positions repeat the sequence's last token, so every gathered value is one the
+    # sequence wrote (an unwritten slot may hold anything, even NaN); the mask hides them.
+    clamped = torch.minimum(positions[None, :], seq_lens[:, None] - 1)
+    # slot of every (sequence, position) through the block table: [num_seqs, max_seq_len]
+    blocks = block_tables.long().gather(1, clamped // block_size)
+    slots = blocks * block_size + clamped % block_size
+    k = gather_slots(kv_cache_layer[0], slots).transpose(1, 2).float()
+    v = gather_slots(kv_cache_layer[1], slots).transpose(1, 2).float()
+    valid = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :].float(), k, v, attn_mask=valid, scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0, :].to(q.dtype)
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The cached vectors at `slots`: cache [num_blocks, block_size, num_kv_heads, head_dim],
+    slots [...] -> [..., num_kv_heads, head_dim]. index_select over flattened rows is several
+    times faster on CPU than advanced indexing with a 2-D index."""
+    rows = cache.view(-1, cache.shape[-2] * cache.shape[-1])
+    picked = rows.index_select(0, slots.flatten())
+    return picked.view(*slots.shape, *cache.shape[-2:])
+
+
+class AttentionBackend(ABC):
+    """Computes attention for a flat batch against the paged KV cache."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write k, v into the cache, then attend.
+
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        (RoPE already applied to q and k) -> [num_tokens, num_heads, head_dim].
+        """
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The reference backend: `write_kv_cache` then `torch_paged_attention`."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping)
+        return torch_paged_attention(q, kv_cache_layer, meta, scale)
+
+
+# name -> "module:ClassName", imported on first use so that a backend's dependencies
+# (Triton, for instance) are needed only by those who select it.
+ATTENTION_BACKENDS: dict[str, str] = {
+    "torch": "minillm.model.attention:TorchAttentionBackend",
+    "triton": "minillm.model.triton_backend:TritonAttentionBackend",
+}
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Instantiate the attention backend registered under `name`."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; expected one of {sorted(ATTENTION_BACKENDS)}"
+        )
+    module_name, class_name = ATTENTION_BACKENDS[name].split(":")
+    backend_cls = getattr(importlib.import_module(module_name), class_name)
+    return backend_cls()

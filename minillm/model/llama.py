@@ -1,0 +1,256 @@
+"""A Llama-family decoder (Llama 2/3, Qwen2, Qwen3) as an ordinary `nn.Module`.
+
+`forward` runs one flat batch: the new tokens of many requests, prefill chunks and
+decode tokens alike, packed into one `[num_tokens]` tensor with a position per token.
+Attention reads and writes the paged KV cache through `AttentionMetadata`, so the
+model never knows how the batch was formed. `forward_causal` is the textbook
+`[batch, seq]` forward with no cache, for training and as a test oracle.
+
+Parameter names match Hugging Face's, so a `transformers` checkpoint loads with
+`load_state_dict` and our state_dict saves as one.
+
+With the "triton" attention backend, RMSNorm and RoPE run as Triton kernels too
+(`kernels.rmsnorm`, `kernels.rope`); with any other backend, as the PyTorch code below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# first: on a machine without CUDA it switches Triton's interpreter on, which must happen
+# before anything (here, torch._dynamo, which constructing a module can load) imports triton
+import kernels  # noqa: F401
+from minillm.model.attention import AttentionMetadata, get_attention_backend
+from minillm.model.config import ModelConfig
+from minillm.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+
+# backends whose model runs the RMSNorm and RoPE Triton kernels of `kernels/`
+KERNEL_BACKENDS = frozenset({"triton"})
+
+# (q, k) -> (q, k) rotated by the positions of the batch in flight
+Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich, 2019), computed in float32.
+
+    With `residual`, returns (norm(x + residual), x + residual): a pre-norm block's residual
+    add fused into the norm. `use_kernel` runs `kernels.rmsnorm.rms_norm` instead.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, use_kernel: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.use_kernel = use_kernel
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_kernel:
+            from kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self(x), x
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention; Qwen2's q/k/v bias and Qwen3's q/k norm are switches."""
+
+    def __init__(self, config: ModelConfig, backend_name: str) -> None:
+        super().__init__()
+        use_kernels = backend_name in KERNEL_BACKENDS
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        # Qwen2 biases q, k and v only; Llama and Qwen3 use attention_bias for o_proj too.
+        o_bias = bias and config.architecture != "Qwen2ForCausalLM"
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_kernels)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_kernels)
+        self.qk_norm = config.qk_norm
+        self.backend = get_attention_backend(backend_name)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        kv_cache_layer: torch.Tensor | None,
+        meta: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        """x: [num_tokens, hidden] with a cache, or [batch, seq, hidden] without (meta None)."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, k)
+        if meta is None:
+            out = causal_attention(q, k, v, self.scale)
+        else:
+            out = self.backend.forward(q, k, v, kv_cache_layer, meta, self.scale)
+        return self.o_proj(out.flatten(-2))
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q: [batch, seq, num_heads, d]; k, v: [batch, seq, num_kv_heads, d] -> like q."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU (Shazeer, 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, backend_name: str) -> None:
+        super().__init__()
+        use_kernels = backend_name in KERNEL_BACKENDS
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_kernels)
+        self.self_attn = LlamaAttention(config, backend_name)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, use_kernels
+        )
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        kv_cache_layer: torch.Tensor | None,
+        meta: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(x), rope, kv_cache_layer, meta)
+        # x + attn_out and its norm in one call (one kernel with the triton backend)
+        h, x = self.post_attention_layernorm(attn_out, residual=x)
+        return x + self.mlp(h)
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm: token ids -> hidden states."""
+
+    def __init__(self, config: ModelConfig, backend_name: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend_name) for _ in range(config.num_hidden_layers)
+        )
+        self.use_kernels = backend_name in KERNEL_BACKENDS
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.use_kernels)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.config = config
+        self.cos_sin_cache: torch.Tensor | None = None  # the RoPE kernel's table, made on use
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor] | None,
+        meta: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.make_rope(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, None if kv_caches is None else kv_caches[i], meta)
+        return self.norm(x)
+
+    def make_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rotation every layer applies to its q and k at this batch's positions."""
+        if self.use_kernels:
+            from kernels.rope import apply_rope as rope_kernel
+            from kernels.rope import rope_cos_sin_cache
+
+            if self.cos_sin_cache is None or self.cos_sin_cache.device != positions.device:
+                # float32 and outside the state_dict, like RotaryEmbedding's frequencies
+                config = self.config
+                self.cos_sin_cache = rope_cos_sin_cache(
+                    rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
+                    config.max_position_embeddings,
+                    positions.device,
+                )
+            cache = self.cos_sin_cache
+            return lambda q, k: rope_kernel(q, k, positions, cache)
+        cos, sin = self.rotary_emb(positions, dtype)
+        return lambda q, k: (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus the LM head that turns hidden states into next-token logits."""
+
+    def __init__(self, config: ModelConfig, attention_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.attention_backend = attention_backend
+        self.model = LlamaModel(config, attention_backend)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            # one Parameter under two names, as in transformers
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One flat batch through the paged KV cache.
+
+        input_ids, positions: [num_tokens]; kv_caches: one [2, num_blocks, block_size,
+        num_kv_heads, head_dim] tensor per layer -> hidden states [num_tokens, hidden_size].
+        """
+        if len(kv_caches) != self.config.num_hidden_layers:
+            raise ValueError(
+                f"expected one KV-cache tensor per layer ({self.config.num_hidden_layers}), "
+                f"got {len(kv_caches)}"
+            )
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden_size] -> logits [n, vocab_size] in float32."""
+        return self.lm_head(hidden).float()
+
+    def forward_causal(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Plain causal forward without a cache: input_ids [batch, seq] -> logits
+        [batch, seq, vocab_size] float32. Every sequence starts at position 0."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        hidden = self.model(input_ids, positions, None, None)
+        return self.compute_logits(hidden)

@@ -1,0 +1,248 @@
+"""Hugging Face-format model directories: find one, load it, write one.
+
+A model directory holds `config.json`, the weights as `model.safetensors` (or shards
+listed in `model.safetensors.index.json`), `tokenizer.json` (+ `tokenizer_config.json`)
+and optionally `generation_config.json`: the layout `transformers` reads and writes, so the
+bundled models, checkpoints from the Hub and models we train all load the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+from dataclasses import dataclass, field
+
+import safetensors.torch
+import tokenizers
+import torch
+
+from minillm.model.config import ModelConfig, as_id_list, torch_dtype
+from minillm.model.llama import LlamaForCausalLM
+from minillm.model.tokenizer import Tokenizer
+
+BUNDLED_MODELS_DIR = pathlib.Path(__file__).parent.parent / "bundled"
+DEFAULT_MODEL = "minillm-stdlib-target"
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+# Computed from the config at run time; some older checkpoints still store it.
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    generation_config: dict
+    path: pathlib.Path
+    eos_token_ids: list[int] = field(default_factory=list)  # config's and generation config's
+
+
+def resolve_model_path(model: str | os.PathLike) -> pathlib.Path:
+    """A local directory, else a bundled model's name, else a Hugging Face Hub repo id."""
+    path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        return path
+    bundled = BUNDLED_MODELS_DIR / str(model)
+    if bundled.is_dir():
+        return bundled
+    bundled_names = (
+        sorted(p.name for p in BUNDLED_MODELS_DIR.iterdir() if p.is_dir())
+        if BUNDLED_MODELS_DIR.is_dir()
+        else []
+    )
+    hint = (
+        f"{str(model)!r} is not a local directory, nor a bundled model ({bundled_names}); "
+        "pass a local directory holding config.json, *.safetensors and tokenizer.json"
+    )
+    if path.exists() or str(model).startswith((".", "/", "~")):
+        raise FileNotFoundError(hint)
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as err:
+        raise FileNotFoundError(
+            f"{hint}, or install huggingface_hub to fetch it from the Hugging Face Hub"
+        ) from err
+    try:
+        snapshot = snapshot_download(
+            str(model), allow_patterns=["*.json", "*.safetensors", "tokenizer*"]
+        )
+    except (OSError, ValueError) as err:  # offline, unknown repo, invalid repo id
+        raise FileNotFoundError(
+            f"{hint}; fetching it from the Hugging Face Hub failed: {err}"
+        ) from err
+    return pathlib.Path(snapshot)
+
+
+def read_json(path: pathlib.Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"expected {path.name} in {path.parent}")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def load_safetensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors`, or of the shards its index lists, on the CPU."""
+    if (path / SAFETENSORS_FILE).is_file():
+        return safetensors.torch.load_file(path / SAFETENSORS_FILE)
+    if not (path / SAFETENSORS_INDEX_FILE).is_file():
+        raise FileNotFoundError(
+            f"expected {SAFETENSORS_FILE} or {SAFETENSORS_INDEX_FILE} with its shards in {path}"
+        )
+    weight_map = read_json(path / SAFETENSORS_INDEX_FILE)["weight_map"]
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (path / shard).is_file():
+            raise FileNotFoundError(f"shard {shard} listed in {SAFETENSORS_INDEX_FILE} is missing")
+        state.update(safetensors.torch.load_file(path / shard))
+    return state
+
+
+def check_state_dict(
+    model: LlamaForCausalLM, state: dict[str, torch.Tensor], source: pathlib.Path
+) -> None:
+    """Raise ValueError unless `state` has exactly the model's tensors, with its shapes."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")  # the embedding matrix, stored once
+    for name, shape in expected.items():  # in model order: the first mismatch a reader expects
+        if name in state and tuple(state[name].shape) != shape:
+            raise ValueError(
+                f"tensor {name} in {source} has shape {tuple(state[name].shape)}, "
+                f"expected {shape} from config.json"
+            )
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"{source} lacks tensors the config requires: {missing}")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ValueError(f"{source} has tensors this architecture does not use: {unexpected}")
+
+
+def resolve_dtype(
+    requested: str | torch.dtype | None, checkpoint_dtype: str, device: torch.device
+) -> torch.dtype:
+    """The dtype to run in: the requested one, else the checkpoint's.
+
+    bfloat16 needs a GPU of compute capability 8.0 or newer; on older ones (Colab's T4) a
+    bfloat16 checkpoint runs in float16 when no dtype was asked for, as vLLM does, and asking
+    for bfloat16 explicitly is an error.
+    """
+    dtype = torch_dtype(requested if requested is not None else checkpoint_dtype)
+    no_bf16 = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
+    if dtype == torch.bfloat16 and no_bf16:
+        if requested is not None:
+            raise ValueError(
+                f"{torch.cuda.get_device_name(device)} has no bfloat16 support; "
+                "use dtype='float16' or 'float32'"
+            )
+        return torch.float16
+    return dtype
+
+
+def load_model(
+    model: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    attention_backend: str = "torch",
+) -> LoadedModel:
+    """Load a model directory (or bundled/Hub name); dtype defaults to config's torch_dtype."""
+    path = resolve_model_path(model)
+    config = ModelConfig.from_hf_config(read_json(path / "config.json"))
+    dtype = resolve_dtype(dtype, config.torch_dtype, torch.device(device))
+    config.torch_dtype = str(dtype).removeprefix("torch.")
+    state = load_safetensors(path)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    state = {
+        name: tensor for name, tensor in state.items() if not name.endswith(IGNORED_TENSOR_SUFFIXES)
+    }
+    # Built without memory, then given the checkpoint's tensors: no random init to overwrite.
+    with torch.device("meta"):
+        lm = LlamaForCausalLM(config, attention_backend)
+    check_state_dict(lm, state, path)
+    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    lm.load_state_dict(state, strict=False, assign=True)  # check_state_dict did the checking
+    if config.tie_word_embeddings:
+        lm.lm_head.weight = lm.model.embed_tokens.weight
+    lm.eval()
+
+    tokenizer = Tokenizer(path)
+    generation_config_path = path / "generation_config.json"
+    generation_config = (
+        read_json(generation_config_path) if generation_config_path.is_file() else {}
+    )
+    # a generation stops at any of them: Qwen3 ends chat turns and documents differently
+    eos_token_ids = config.eos_token_ids + as_id_list(generation_config.get("eos_token_id"))
+    eos_token_ids = list(dict.fromkeys(eos_token_ids))
+    if not eos_token_ids and tokenizer.eos_token_id is not None:
+        eos_token_ids = [tokenizer.eos_token_id]
+    config.eos_token_ids = eos_token_ids
+    return LoadedModel(lm, config, tokenizer, generation_config, path, list(eos_token_ids))
+
+
+def save_pretrained(
+    model: LlamaForCausalLM,
+    config: ModelConfig,
+    tokenizer: str | os.PathLike | Tokenizer | tokenizers.Tokenizer,
+    out_dir: str | os.PathLike,
+    generation_config: dict | None = None,
+) -> pathlib.Path:
+    """Write a Hugging Face-format directory that `load_model` and `transformers` both load.
+
+    tokenizer: a tokenizer.json path (or its directory: tokenizer_config.json and
+    special_tokens_map.json beside it are copied too), a minillm `Tokenizer`, or a
+    `tokenizers.Tokenizer`. Without a tokenizer_config.json one is written naming the
+    config's bos/eos tokens. generation_config defaults to the config's bos/eos ids.
+    """
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight")  # safetensors refuses two names for one storage
+    dtypes = {t.dtype for t in state.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"expected one parameter dtype to record in config.json, got {dtypes}")
+    hf_config = config.to_hf_config()
+    hf_config["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    safetensors.torch.save_file(state, out / SAFETENSORS_FILE, metadata={"format": "pt"})
+
+    if isinstance(tokenizer, tokenizers.Tokenizer):
+        tokenizer.save(str(out / "tokenizer.json"))
+    else:
+        source = tokenizer.path if isinstance(tokenizer, Tokenizer) else pathlib.Path(tokenizer)
+        source = source / "tokenizer.json" if source.is_dir() else source
+        if not source.is_file():
+            raise FileNotFoundError(f"expected a tokenizer.json file at {source}")
+        shutil.copyfile(source, out / "tokenizer.json")
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (source.parent / name).is_file():
+                shutil.copyfile(source.parent / name, out / name)
+    if not (out / "tokenizer_config.json").is_file():
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(tokenizer_config(config, Tokenizer(out)), indent=2) + "\n"
+        )
+
+    if generation_config is None:
+        generation_config = {
+            "bos_token_id": config.bos_token_id,
+            "eos_token_id": hf_config["eos_token_id"],
+        }
+    (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
+    return out
+
+
+def tokenizer_config(config: ModelConfig, tokenizer: Tokenizer) -> dict:
+    """A minimal tokenizer_config.json: the special tokens named by the model config."""
+    result: dict = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": config.max_position_embeddings,
+    }
+    if config.bos_token_id is not None:
+        result["bos_token"] = tokenizer.id_to_token(config.bos_token_id)
+    if config.eos_token_ids:
+        result["eos_token"] = tokenizer.id_to_token(config.eos_token_ids[0])
+    return result

@@ -1,0 +1,294 @@
+"""Measure the bundled models and write their model cards from the measurements.
+
+Every number in a card comes from `training_summary.json` beside it: the training run
+writes its part (steps, tokens seen, time, hardware), and `measure` adds held-out loss,
+sample completions and, for the draft, how often it agrees with the target. All
+measurements use the shipped bfloat16 weights upcast to float32, the way tests load them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import torch
+import torch.nn.functional as F
+
+from minillm.model.llama import LlamaForCausalLM
+from minillm.model.loader import load_model
+
+SUMMARY_FILE = "training_summary.json"
+HELDOUT_FILE = "heldout_tokens.json"
+SAMPLE_PROMPTS = [
+    "def fibonacci(n):",
+    "class Stack:",
+    "import os\n",
+    "for i in range(",
+    'if __name__ == "__main__":',
+]
+# Prompts for the draft/target agreement: the samples plus a few more everyday openings.
+ACCEPTANCE_PROMPTS = SAMPLE_PROMPTS + [
+    "def __init__(self, ",
+    "    def __repr__(self):\n",
+    "import sys\n\n\ndef main(",
+    "try:\n    import ",
+    "with open(path) as f:\n",
+]
+SAMPLE_NEW_TOKENS = 48
+ACCEPTANCE_NEW_TOKENS = 64
+DRAFT_LENGTH = 4  # k: tokens the draft proposes per speculative step
+
+
+@torch.no_grad()
+def heldout_loss(model: LlamaForCausalLM, token_ids: torch.Tensor, batch_size: int = 16) -> float:
+    """Mean next-token cross-entropy in nats over token_ids: [num_windows, window_len]."""
+    total, count = 0.0, 0
+    for chunk in token_ids.split(batch_size):
+        logits = model.forward_causal(chunk[:, :-1])
+        total += F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
+        count += chunk[:, 1:].numel()
+    return float(total) / count
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: LlamaForCausalLM, prompt_ids: list[int], max_new_tokens: int, eos_id: int | None
+) -> list[int]:
+    """Argmax decoding with the cache-free forward; returns the new tokens (EOS included)."""
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        next_id = int(model.forward_causal(torch.tensor([ids]))[0, -1].argmax())
+        ids.append(next_id)
+        if next_id == eos_id:
+            break
+    return ids[len(prompt_ids) :]
+
+
+@torch.no_grad()
+def draft_agreement(
+    draft: LlamaForCausalLM, prompt_ids: list[int], target_new_ids: list[int]
+) -> tuple[int, list[int]]:
+    """Compare the draft with the target's greedy continuation `target_new_ids`.
+
+    Returns (positions where the draft's argmax equals the target's token, accepted draft
+    tokens per round of greedy speculative decoding with k = DRAFT_LENGTH). In greedy
+    speculative decoding (Leviathan et al., 2023) a round accepts the draft's proposals up
+    to the first one that differs from the target's argmax, then takes the target's token.
+    """
+    ids = prompt_ids + target_new_ids
+    logits = draft.forward_causal(torch.tensor([ids]))[0, len(prompt_ids) - 1 : -1]
+    matches = int((logits.argmax(-1) == torch.tensor(target_new_ids)).sum())
+    accepted_per_round = []
+    pos = 0
+    while pos < len(target_new_ids):
+        proposal = greedy_generate(draft, ids[: len(prompt_ids) + pos], DRAFT_LENGTH, None)
+        expected = target_new_ids[pos : pos + DRAFT_LENGTH]
+        accepted = 0
+        while accepted < len(expected) and proposal[accepted] == expected[accepted]:
+            accepted += 1
+        accepted_per_round.append(accepted)
+        pos += accepted + 1  # the target's own token ends every round
+    return matches, accepted_per_round
+
+
+def measure(model_dir: pathlib.Path, target_dir: pathlib.Path | None = None) -> dict:
+    """Held-out loss and samples of one model; agreement with the target if target_dir."""
+    loaded = load_model(model_dir, dtype="float32")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    eos_id = tokenizer.eos_token_id
+    heldout = json.loads((model_dir / HELDOUT_FILE).read_text())["token_ids"]
+    loss = heldout_loss(model, torch.tensor(heldout))
+    samples = []
+    for prompt in SAMPLE_PROMPTS:
+        new_ids = greedy_generate(model, tokenizer.encode(prompt), SAMPLE_NEW_TOKENS, eos_id)
+        samples.append({"prompt": prompt, "completion": tokenizer.decode(new_ids)})
+    result = {
+        "weights": "bfloat16, upcast to float32",
+        "heldout_num_windows": len(heldout),
+        "heldout_num_predicted_tokens": len(heldout) * (len(heldout[0]) - 1),
+        "heldout_loss": round(loss, 4),
+        "heldout_perplexity": round(math.exp(loss), 2),
+        "samples": samples,
+    }
+    if target_dir is not None:
+        target = load_model(target_dir, dtype="float32").model
+        matches, positions, rounds = 0, 0, []
+        for prompt in ACCEPTANCE_PROMPTS:
+            prompt_ids = tokenizer.encode(prompt)
+            target_new = greedy_generate(target, prompt_ids, ACCEPTANCE_NEW_TOKENS, eos_id)
+            m, accepted = draft_agreement(model, prompt_ids, target_new)
+            matches, positions, rounds = matches + m, positions + len(target_new), rounds + accepted
+        result["acceptance"] = {
+            "num_prompts": len(ACCEPTANCE_PROMPTS),
+            "num_positions": positions,
+            "greedy_acceptance_rate": round(matches / positions, 4),
+            "draft_length": DRAFT_LENGTH,
+            "mean_accepted_per_round": round(sum(rounds) / len(rounds), 3),
+            "mean_tokens_per_round": round(sum(rounds) / len(rounds) + 1, 3),
+        }
+    return result
+
+
+def render_card(summary: dict, evaluation: dict) -> str:
+    spec, cfg, corpus = summary["spec"], summary["train_config"], summary["corpus"]
+    role = "draft" if "draft" in summary["name"] else "target"
+    budget = f" --time-budget-s {cfg['time_budget_s']:g}" if cfg["time_budget_s"] else ""
+    autocast = " --bf16-autocast" if cfg.get("bf16_autocast") else ""
+    steps = f" --max-steps {cfg['max_steps']}" if cfg["max_steps"] else ""
+    lines = [
+        "---",
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "tags: [llama, python, code, minillm]",
+        "---",
+        "",
+        f"# {summary['name']}",
+        "",
+        f"A {summary['num_parameters'] / 1e6:.2f}M-parameter Llama-architecture model that "
+        "completes Python code, trained from scratch on the CPython standard library with "
+        f"minillm's own model code. It is minillm's bundled {role} model: small enough to ship "
+        "inside the package and to run on a laptop CPU, big enough to write plausible Python. "
+        "It is a teaching model, not a coding assistant.",
+        "",
+        "## Model",
+        "",
+        "| | |",
+        "| --- | --- |",
+        "| architecture | LlamaForCausalLM (RMSNorm, SwiGLU, RoPE, grouped-query attention) |",
+        f"| parameters | {summary['num_parameters']:,} (embeddings tied with the output layer) |",
+        f"| hidden size / layers | {spec['hidden_size']} / {spec['num_hidden_layers']} |",
+        f"| attention heads / KV heads | {spec['num_attention_heads']} / "
+        f"{spec['num_key_value_heads']} |",
+        f"| FFN size | {spec['intermediate_size']} |",
+        "| vocabulary | 4,096-token byte-level BPE; `<\\|bos\\|>`=0, `<\\|eos\\|>`=1, "
+        "`<\\|pad\\|>`=2 |",
+        f"| context | trained at {cfg['seq_len']} tokens; RoPE theta 10,000; "
+        "max_position_embeddings 1,024 |",
+        "| weights | bfloat16 safetensors |",
+        "",
+        "## Training data",
+        "",
+        f"{corpus['corpus'].split(' (')[0]}: its {corpus['num_files']:,} `.py` files "
+        "(site-packages excluded), read in sorted order. A file is held out for validation when "
+        "the first 8 bytes of the SHA-256 of its relative path, read as a fraction of 2^64, fall "
+        f"below 0.02: {corpus['num_validation_files']} files. The training split has "
+        f"{corpus['num_train_files']:,} files, {corpus['num_train_bytes'] / 1e6:.1f} MB, "
+        f"{corpus['num_train_tokens'] / 1e6:.2f}M tokens (each file is `<|bos|>` + text + "
+        "`<|eos|>`).",
+        "",
+        "The standard library is distributed under the Python Software Foundation License "
+        "Version 2 (Copyright (c) 2001 Python Software Foundation; All Rights Reserved). Much "
+        "of it is the `test` package, whose style the model imitates.",
+        "",
+        "## Training",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| hardware | {summary['hardware']['cpu']}, {summary['hardware']['threads']} thread(s) "
+        "(CPU only) |",
+        "| precision | float32 weights and optimizer state, "
+        + ("bfloat16 matmuls (autocast) |" if cfg.get("bf16_autocast") else "float32 matmuls |"),
+        f"| software | Python {summary['software']['python']}, "
+        f"PyTorch {summary['software']['torch']} |",
+        f"| wall-clock time | {summary['train_time_s'] / 60:.1f} min |",
+        f"| steps | {summary['steps']:,} of {cfg['batch_size']} x {cfg['seq_len']} tokens |",
+        f"| tokens seen | {summary['tokens_seen'] / 1e6:.2f}M "
+        f"({summary['tokens_seen'] / corpus['num_train_tokens']:.2f} epochs), "
+        f"{summary['tokens_per_s']:,.0f} tokens/s |",
+        f"| optimizer | AdamW, betas (0.9, 0.95), weight decay {cfg['weight_decay']}, "
+        f"gradient clip {cfg['grad_clip']} |",
+        f"| schedule | peak learning rate {spec['learning_rate']:g}, {cfg['warmup_steps']} "
+        f"warmup steps, cosine to {cfg['min_lr_ratio']:g} x peak over the budget |",
+        f"| seed | {cfg['seed']} |",
+        "",
+        "![loss curve](loss_curve.png)",
+        "",
+        "## Evaluation",
+        "",
+        f"Held-out cross-entropy: **{evaluation['heldout_loss']:.4f} nats/token** "
+        f"(perplexity **{evaluation['heldout_perplexity']:.2f}**), over "
+        f"{evaluation['heldout_num_predicted_tokens']:,} predicted tokens: "
+        f"{evaluation['heldout_num_windows']} windows of {cfg['seq_len'] + 1} tokens spread "
+        "evenly over the validation files' token stream. The windows are stored in "
+        f"`{HELDOUT_FILE}`; the numbers are measured on the shipped bfloat16 weights upcast "
+        "to float32, and minillm's tests recompute them.",
+        "",
+    ]
+    if "acceptance" in evaluation:
+        acc = evaluation["acceptance"]
+        lines += [
+            "### Agreement with the target model",
+            "",
+            f"Along the greedy continuations ({ACCEPTANCE_NEW_TOKENS} tokens at most) of "
+            f"minillm-stdlib-target for {acc['num_prompts']} fixed prompts, this draft's argmax "
+            f"equals the target's at **{acc['greedy_acceptance_rate']:.1%}** of "
+            f"{acc['num_positions']} positions. In greedy speculative decoding with "
+            f"k = {acc['draft_length']} draft tokens per round, it has "
+            f"**{acc['mean_accepted_per_round']:.2f}** proposals accepted per round, so each "
+            f"target forward yields {acc['mean_tokens_per_round']:.2f} tokens on average.",
+            "",
+        ]
+    lines += [
+        f"## Sample completions (greedy, up to {SAMPLE_NEW_TOKENS} tokens)",
+        "",
+        "Each block is the prompt (shown as a Python string above it) and, after it, the "
+        "greedy completion (argmax of `forward_causal` at each step), stopped at `<|eos|>` "
+        "or the token limit.",
+        "",
+    ]
+    for sample in evaluation["samples"]:
+        lines += [
+            f"**`{sample['prompt']!r}`**",
+            "",
+            "```python",
+            (sample["prompt"] + sample["completion"]).rstrip("\n"),
+            "```",
+            "",
+        ]
+    lines += [
+        "## Use",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{summary["name"]}")  # this directory',
+        f'tokenizer = AutoTokenizer.from_pretrained("{summary["name"]}")',
+        "```",
+        "",
+        "The tokenizer adds `<|bos|>` in front, as in training; generation stops at `<|eos|>`.",
+        "",
+        "## Reproduce",
+        "",
+        "```",
+        f"python -m minillm.training.train fit --model {role}{budget}{steps}{autocast} --threads "
+        f"{summary['hardware']['threads']} --seed {cfg['seed']}",
+        "python -m minillm.training.train card",
+        "```",
+        "",
+        "The run reads the standard library of the interpreter it runs on, so another Python "
+        "version gives another corpus. Under a wall-clock budget the number of steps depends "
+        "on the machine; with `--max-steps` alone a run is deterministic.",
+        "",
+        "## Limitations",
+        "",
+        "The model has seen only Python source, a few million tokens of it, with a 256-token "
+        "context. It repeats itself, invents APIs, and writes code that does not run. Do not "
+        "use its output for anything but studying how an inference engine works.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_card(model_dir: pathlib.Path, evaluation: dict) -> None:
+    """Store `evaluation` in the summary file and regenerate README.md from it."""
+    summary_path = model_dir / SUMMARY_FILE
+    summary = json.loads(summary_path.read_text())
+    summary["evaluation"] = evaluation
+    summary_path.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    (model_dir / "README.md").write_text(render_card(summary, evaluation))
+
+
+def write_cards(target_dir: pathlib.Path, draft_dir: pathlib.Path) -> None:
+    write_card(target_dir, measure(target_dir))
+    write_card(draft_dir, measure(draft_dir, target_dir=target_dir))
