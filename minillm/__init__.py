@@ -14,14 +14,15 @@ _EXPORTS = {
     "LLM": "minillm.llm",
     "SamplingParams": "minillm.sampling_params",
     "LLMEngine": "minillm.engine.llm_engine",
-    "EngineArgs": "minillm.engine.llm_engine",
+    "EngineArgs": "minillm.engine.args",
     "RequestOutput": "minillm.outputs",
     "CompletionOutput": "minillm.outputs",
 }
 __all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
-    from minillm.engine.llm_engine import EngineArgs, LLMEngine
+    from minillm.engine.args import EngineArgs
+    from minillm.engine.llm_engine import LLMEngine
     from minillm.llm import LLM
     from minillm.outputs import CompletionOutput, RequestOutput
     from minillm.sampling_params import SamplingParams

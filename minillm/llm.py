@@ -6,22 +6,29 @@
 
 `generate` queues every prompt and steps the engine until all are done, so the prompts are
 batched continuously; `stream` yields one prompt's output as its tokens arrive.
+
+Several callers may share one `LLM`: streams left open while `generate` runs, or threads. Every
+step's outputs go to the queue of the call that owns the request, whoever ran the step, and
+one lock keeps two threads from stepping the engine at the same time. A call that stops early
+(an exception, Ctrl-C, a stream closed before its end) aborts its own requests, so that they
+hold no blocks or batch seats afterwards.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
+import threading
 from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from minillm.engine.llm_engine import EngineArgs, LLMEngine
+from minillm.engine.args import EngineArgs
+from minillm.engine.llm_engine import LLMEngine, Prompt
 from minillm.model.tokenizer import Tokenizer
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
-
-Prompt = str | list[int]  # text, or token ids
 
 
 class LLM:
@@ -31,6 +38,9 @@ class LLM:
         args = EngineArgs(**engine_args) if model is None else EngineArgs(model, **engine_args)
         self.engine = LLMEngine(args)
         self._request_counter = itertools.count()
+        self._lock = threading.RLock()  # one step, add or abort at a time
+        # outputs not yet taken by the call that owns the request, by request id
+        self._queues: dict[str, collections.deque[RequestOutput]] = {}
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -44,9 +54,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete every prompt; returns their outputs in the order of the prompts.
 
-        sampling_params: one for all prompts, or one per prompt (default SamplingParams()).
-        priority: one value per prompt, for an engine with scheduling_policy="priority"
-        (lower values first).
+        prompts: text, token ids, vLLM's dicts {"prompt": ...} / {"prompt_token_ids": ...},
+        or a sequence of them. sampling_params: one for all prompts, or one per prompt
+        (default SamplingParams()). priority: one value per prompt, for an engine with
+        scheduling_policy="priority" (lower values first). A request the engine had to abort
+        comes back finished with finish_reason "abort" and its `error`.
         """
         prompts = as_prompt_list(prompts)
         priorities = [0] * len(prompts) if priority is None else list(priority)
@@ -62,33 +74,38 @@ class LLM:
                     "give one for all or one per prompt"
                 )
         request_ids = self._add_requests(prompts, params_list, priorities)
-        return self._run_until_finished(request_ids, use_tqdm)
+        try:
+            return self._run_until_finished(request_ids, use_tqdm)
+        finally:
+            self._abort_unfinished(request_ids)
 
     def _add_requests(
         self, prompts: list[Prompt], params_list: list[SamplingParams], priorities: list[int]
     ) -> list[str]:
         """Queue all prompts, or none: a bad prompt withdraws the ones queued before it."""
         request_ids: list[str] = []
-        try:
-            for prompt, params, priority in zip(prompts, params_list, priorities, strict=True):
-                request_id = str(next(self._request_counter))
-                self.engine.add_request(request_id, prompt, params, priority=priority)
-                request_ids.append(request_id)
-        except ValueError:
-            for request_id in request_ids:
-                self.engine.abort_request(request_id)
-            raise
+        with self._lock:
+            try:
+                for prompt, params, priority in zip(prompts, params_list, priorities, strict=True):
+                    request_id = str(next(self._request_counter))
+                    self.engine.add_request(request_id, prompt, params, priority=priority)
+                    self._queues[request_id] = collections.deque()
+                    request_ids.append(request_id)
+            except BaseException:
+                self._abort_unfinished(request_ids)
+                raise
         return request_ids
 
     def _run_until_finished(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        wanted = set(request_ids)
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while len(finished) < len(request_ids):
-                for output in self.engine.step():
-                    if output.finished and output.request_id in wanted:
-                        finished[output.request_id] = output
-                        bar.update(1)
+                self._step()
+                for request_id in request_ids:
+                    for output in self._take(request_id):
+                        if output.finished:
+                            finished[request_id] = output
+                            bar.update(1)
         return [finished[request_id] for request_id in request_ids]
 
     def stream(
@@ -97,23 +114,46 @@ class LLM:
         """Yield the prompt's output after every step that adds to it; the new text of each
         completion is in `outputs[i].delta_text`. Closing the iterator early aborts the request.
         """
-        request_id = str(next(self._request_counter))
-        self.engine.add_request(request_id, prompt, sampling_params)
-        finished = False
+        [request_id] = self._add_requests([prompt], [sampling_params or SamplingParams()], [0])
         try:
-            while not finished:
-                for output in self.engine.step():
-                    if output.request_id == request_id:
-                        finished = output.finished
-                        yield output
+            while True:
+                outputs = self._take(request_id)
+                if not outputs:
+                    self._step()  # another call may have run the steps that made outputs
+                    continue
+                for output in outputs:
+                    yield output
+                    if output.finished:
+                        return
         finally:
-            if not finished:
+            self._abort_unfinished([request_id])
+
+    def _step(self) -> None:
+        """One engine step; its outputs go to their owners' queues."""
+        with self._lock:
+            for output in self.engine.step():
+                queue = self._queues.get(output.request_id)
+                if queue is not None:
+                    queue.append(output)
+
+    def _take(self, request_id: str) -> list[RequestOutput]:
+        with self._lock:
+            queue = self._queues[request_id]
+            outputs = list(queue)
+            queue.clear()
+            return outputs
+
+    def _abort_unfinished(self, request_ids: list[str]) -> None:
+        """Abort what is left of these requests and drop their queues."""
+        with self._lock:
+            for request_id in request_ids:
                 self.engine.abort_request(request_id)
+                self._queues.pop(request_id, None)
 
 
 def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """One prompt (text, or a list of token ids) or a sequence of them -> a list of prompts."""
-    if isinstance(prompts, str):
+    """One prompt (text, token ids or a prompt dict) or a sequence of them -> a list."""
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):

@@ -48,4 +48,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool  # every completion has finished
-    metrics: RequestMetrics  # the first completion's timestamps (its TTFT is the prompt's)
+    metrics: RequestMetrics  # the whole request's timestamps (see merge_request_metrics)
+    error: str | None = None  # why the engine aborted the request, when a step failed on it

@@ -11,9 +11,7 @@ into a shared block, which is then copied (copy-on-write).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from minillm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 
@@ -28,32 +26,16 @@ class PrefixCacheStats:
     num_queried_tokens: int = 0
     num_hit_tokens: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of queried tokens found in the cache (0.0 before any query)."""
-        if self.num_queried_tokens == 0:
-            return 0.0
-        return self.num_hit_tokens / self.num_queried_tokens
-
-
-def kv_cache_block_bytes(block_size: int, config: Any, dtype: torch.dtype | str) -> int:
-    """Bytes of one block: a key and a value vector per token, per KV head, in every layer.
-
-    bytes = 2 * num_hidden_layers * block_size * num_key_value_heads * head_dim * dtype bytes
-    """
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype or its name, got {dtype!r}")
-    num_values = 2 * config.num_hidden_layers * block_size
-    return num_values * config.num_key_value_heads * config.head_dim * dtype.itemsize
-
 
 class KVCacheManager:
     """Per-request block tables with prefix caching, forks and copy-on-write."""
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        prefix_caching_algo: str = "hash",
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
@@ -64,17 +46,9 @@ class KVCacheManager:
         # chained hashes of each request's first full blocks, as far as cache_blocks has got
         self.req_to_block_hashes: dict[str, list[int]] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-        # (src_block_id, dst_block_id) copies the model runner applies before the next forward
+        # (src_block_id, dst_block_id) copies made while planning the next step; the scheduler
+        # hands them to the model runner in its output (take_copy_on_write)
         self.pending_block_copies: list[tuple[int, int]] = []
-
-    @classmethod
-    def num_blocks_for_budget(
-        cls, budget_bytes: int, block_size: int, config: Any, dtype: torch.dtype | str
-    ) -> int:
-        """How many whole blocks fit in a memory budget of `budget_bytes`."""
-        if budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be non-negative, got {budget_bytes}")
-        return budget_bytes // kv_cache_block_bytes(block_size, config, dtype)
 
     @property
     def num_tokens_capacity(self) -> int:
@@ -153,7 +127,7 @@ class KVCacheManager:
 
         # counted at admission, not at lookup, so that failed attempts are not counted twice
         if is_new_request and self.block_pool.enable_prefix_caching:
-            self.prefix_cache_stats.num_queried_tokens += len(request.all_token_ids)
+            self.prefix_cache_stats.num_queried_tokens += request.num_tokens
             self.prefix_cache_stats.num_hit_tokens += len(new_computed_blocks) * self.block_size
         # take the hits before allocating, so that allocation cannot evict them
         self.block_pool.touch(new_computed_blocks)
@@ -224,8 +198,8 @@ class KVCacheManager:
     def take_copy_on_write(self) -> list[tuple[int, int]]:
         """The (src_block_id, dst_block_id) copies made since the last call, in order.
 
-        The model runner copies every layer's keys and values from src to dst before the next
-        forward, which writes new tokens into dst.
+        The scheduler puts them into its output; the model runner copies every layer's keys
+        and values from src to dst before the forward, which writes new tokens into dst.
         """
         copies, self.pending_block_copies = self.pending_block_copies, []
         return copies

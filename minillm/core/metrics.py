@@ -116,3 +116,24 @@ class StepTrace:
     scheduled: list[tuple[str, int, str]]  # (request_id, num_new_tokens, "prefill" | "decode")
     preempted: list[str]  # request ids preempted in this step
     num_waiting: int = 0  # requests left waiting once the step was planned
+
+
+def merge_request_metrics(metrics: list[RequestMetrics]) -> RequestMetrics:
+    """The timestamps of a whole request from those of its n completions.
+
+    With n = 1 that is the completion's own record. With n > 1 the request arrives once,
+    is first scheduled when its first completion is, produces output at every time any
+    completion produces a token (one token time per step, however many completions sampled
+    in it: the completions advance together, so TPOT is the time per position), and
+    finishes when its last completion does.
+    """
+    if len(metrics) == 1:
+        return metrics[0]
+    scheduled = [m.first_scheduled_time for m in metrics if m.first_scheduled_time is not None]
+    finished = [m.finished_time for m in metrics]
+    return RequestMetrics(
+        arrival_time=min(m.arrival_time for m in metrics),
+        first_scheduled_time=min(scheduled) if scheduled else None,
+        token_times=sorted({t for m in metrics for t in m.token_times}),
+        finished_time=None if None in finished else max(finished),
+    )

@@ -12,15 +12,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-import torch
 
 from minillm.core.metrics import RequestMetrics
 from minillm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from minillm.model.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -51,7 +45,12 @@ FINISH_REASONS = {
 # eq=False: requests compare by identity, as list membership in the queues needs
 @dataclass(slots=True, eq=False)
 class Request:
-    """One sequence: prompt, output so far, KV-cache progress, and what to do next."""
+    """One sequence: prompt, output so far, KV-cache progress, and what to do next.
+
+    Its tokens live in one list, `all_token_ids` (prompt, then output), appended to as tokens
+    are sampled: the scheduler, the KV-cache manager and the model runner all read that list.
+    Text is not kept here: the engine's output processor turns tokens into text.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -60,28 +59,25 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     index: int = 0  # which of the prompt's sampling_params.n completions this sequence is
     priority: int = 0  # scheduling_policy="priority": lower values are served first (vLLM's rule)
-    generator: torch.Generator | None = None  # its own random stream when seeded
-    detokenizer: IncrementalDetokenizer | None = None  # None: token ids only, no text
-    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)  # prompt, then output: the one list of tokens
     # per output token, {token_id: logprob} of the sampled token and the top-n, when asked for
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    output_text: str = ""
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
-    # n > 1: the other completions, forked from this one once its prompt is computed
+    # n > 1: the other completions, forked from this one when its prompt's last chunk is planned
     pending_forks: list[Request] = field(default_factory=list)
-    num_streamed_chars: int = 0  # how much of output_text has been handed out as deltas
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt and output so far: what a preempted request recomputes as its prompt."""
-        return self.prompt_token_ids + self.output_token_ids
+    def output_token_ids(self) -> list[int]:
+        """The tokens generated so far (a copy)."""
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -89,11 +85,15 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.all_token_ids[-1]
 
     @property
     def is_finished(self) -> bool:
@@ -105,14 +105,6 @@ class Request:
         return 1 + len(self.pending_forks)
 
     def append_output_token(self, token_id: int, logprobs: dict[int, float] | None) -> None:
-        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
-
-    def detokenize_last_token(self) -> str:
-        """Add the last output token's text to output_text; return the new characters."""
-        if self.detokenizer is None:
-            return ""
-        new_text = self.detokenizer.add_token(self.output_token_ids[-1])
-        self.output_text += new_text
-        return new_text

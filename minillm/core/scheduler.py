@@ -21,8 +21,12 @@ priority first) or "sjf" (shortest job first: the fewest tokens left to compute 
 `batching_type="static"` turns continuous batching off: a batch is formed only when the previous
 one has completely finished, and nobody joins it on the way (TensorRT-LLM's name for the option).
 
-After the model runs, `update_from_output` appends each sampled token and decides whether the
-request is finished (`check_stop`).
+The plan (`SchedulerOutput`) carries everything the model runner needs: each request's chunk of
+tokens and its block table, the block copies that copy-on-write asked for, and which sequences
+sample from which row (n > 1: the other completions are forked here, in `schedule`, when the
+prompt's last chunk is planned). After the model runs, `update_from_output` appends each sampled
+token and checks the stop tokens and the length limits (`check_stop`); text and stop strings
+are the engine's output processor's business.
 """
 
 from __future__ import annotations
@@ -41,6 +45,41 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")
 BATCHING_TYPES = ("continuous", "static")
 
 
+def check_scheduler_options(
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    enable_chunked_prefill: bool,
+    scheduling_policy: str,
+    batching_type: str,
+) -> None:
+    """Raise ValueError for options no scheduler could honour (vLLM's rules where it has them)."""
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        raise ValueError(
+            f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}"
+        )
+    if batching_type not in BATCHING_TYPES:
+        raise ValueError(f"batching_type must be one of {BATCHING_TYPES}, got {batching_type!r}")
+    for name, value in (
+        ("max_num_seqs", max_num_seqs),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("max_model_len", max_model_len),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+            f"({max_num_seqs}): every running sequence needs at least one token per step"
+        )
+    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"without chunked prefill a whole sequence must fit one step: "
+            f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
+            f"max_model_len ({max_model_len})"
+        )
+
+
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: tokens num_computed_tokens .. + num_new_tokens - 1 of its
@@ -53,6 +92,10 @@ class ScheduledRequest:
     # chunk short of the end of the prompt samples nothing
     samples: bool
     phase: str  # "decode" (the token after the last sampled one) or "prefill"
+    block_ids: list[int] = field(default_factory=list)  # its block table once the step is planned
+    # n > 1: the completions forked from this request in this step; each samples its own token
+    # from this request's row of logits
+    forks: list[Request] = field(default_factory=list)
 
     @classmethod
     def plan(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
@@ -67,19 +110,29 @@ class ScheduledRequest:
             phase="decode" if is_decode else "prefill",
         )
 
+    @property
+    def sampling_seqs(self) -> list[Request]:
+        """The sequences that take a token from this row: the request, then its new forks."""
+        return [self.request, *self.forks] if self.samples else []
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """The plan of one step: the requests to run, in batch order, with their new tokens."""
+    """The plan of one step: everything the model runner needs, and nothing it must look up.
+
+    `scheduled` lists the requests to run, in batch order, with their new tokens and block
+    tables; `block_copies` are the (src, dst) block copies to make before the forward
+    (copy-on-write); `finished_req_ids` are the requests that finished or were aborted since
+    the previous plan, whose per-request state the runner may drop.
+    """
 
     step: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_waiting: int = 0  # requests left in the waiting queue once the step was planned
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    num_batched_tokens: int = 0  # sum of num_new_tokens over `scheduled`
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
 
     def trace(self) -> StepTrace:
         """A compact record of the step, for tables and plots."""
@@ -105,20 +158,14 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         batching_type: str = "continuous",
     ) -> None:
-        if scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}"
-            )
-        if batching_type not in BATCHING_TYPES:
-            raise ValueError(
-                f"batching_type must be one of {BATCHING_TYPES}, got {batching_type!r}"
-            )
-        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"without chunked prefill a whole sequence must fit one step: "
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= "
-                f"max_model_len ({max_model_len})"
-            )
+        check_scheduler_options(
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            enable_chunked_prefill,
+            scheduling_policy,
+            batching_type,
+        )
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -134,8 +181,11 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.static_batch: set[str] = set()  # batching_type="static": ids of the current batch
+        self.finished_req_ids: list[str] = []  # since the last plan
 
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
@@ -155,7 +205,12 @@ class Scheduler:
         # a step that had to preempt has no blocks to spare for new requests
         if not output.preempted:
             self._schedule_waiting(output, token_budget)
+        self._fork(output)
         output.num_waiting = len(self.waiting)
+        output.block_copies = self.kv_cache_manager.take_copy_on_write()
+        for scheduled in output.scheduled:
+            scheduled.block_ids = self.kv_cache_manager.get_block_ids(scheduled.request.request_id)
+        output.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return output
 
     def _schedule_running(self, output: SchedulerOutput, token_budget: int) -> int:
@@ -163,16 +218,18 @@ class Scheduler:
 
         Returns the budget left over.
         """
-        budget = token_budget
         # running[:len(output.scheduled)] are the requests planned so far, in order
         while len(output.scheduled) < len(self.running) and token_budget > 0:
             request = self.running[len(output.scheduled)]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_planned_tokens = output.num_batched_tokens
             if not self._allocate_or_preempt(request, num_new_tokens, output):
                 break  # the request preempted itself: nobody of lower rank is left to make room
+            # a victim planned earlier in this step gives its tokens back to the budget
+            token_budget += num_planned_tokens - output.num_batched_tokens
             output.scheduled.append(ScheduledRequest.plan(request, num_new_tokens))
-            # (recounted: a victim planned earlier in this step has given its tokens back)
-            token_budget = budget - output.num_batched_tokens
+            output.num_batched_tokens += num_new_tokens
+            token_budget -= num_new_tokens
         return token_budget
 
     def _allocate_or_preempt(
@@ -187,7 +244,11 @@ class Scheduler:
             victim = self._preemption_victim()
             self.running.remove(victim)
             # under the priority policy the victim may already be planned for this step
-            output.scheduled = [s for s in output.scheduled if s.request is not victim]
+            for i, scheduled in enumerate(output.scheduled):
+                if scheduled.request is victim:
+                    output.num_batched_tokens -= scheduled.num_new_tokens
+                    del output.scheduled[i]
+                    break
             self._preempt(victim)
             output.preempted.append(victim)
             if victim is request:
@@ -241,10 +302,11 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
         """Admit waiting requests in the policy's order while budget, seats and blocks remain."""
+        num_seats_taken = self.num_running_seqs
         for request in self._admission_order():
             if token_budget <= 0:
                 break
-            if self.num_running_seqs + request.num_seqs > self.max_num_seqs:
+            if num_seats_taken + request.num_seqs > self.max_num_seqs:
                 break
             # prefix caching: skip the tokens whose KV is already in cached blocks
             cached_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -260,74 +322,109 @@ class Scheduler:
             request.metrics.record_scheduled(self.clock())
             self.running.append(request)
             output.scheduled.append(ScheduledRequest.plan(request, num_new_tokens))
+            output.num_batched_tokens += num_new_tokens
+            num_seats_taken += request.num_seqs
             token_budget -= num_new_tokens
+
+    def _fork(self, output: SchedulerOutput) -> None:
+        """n > 1: the prompt is computed once; the other completions fork from it in the step
+        that computes its last chunk, and sample their first tokens from the same row.
+
+        Each fork holds a reference to every block of the parent, so the prompt's KV is stored
+        once; the first decode write into a shared, partly filled block copies it
+        (copy-on-write). Forked after all allocations of the step, so that the forks share the
+        blocks this step writes.
+        """
+        for scheduled in output.scheduled:
+            parent = scheduled.request
+            if not (scheduled.samples and parent.pending_forks):
+                continue
+            scheduled.forks, parent.pending_forks = parent.pending_forks, []
+            for fork in scheduled.forks:
+                self.kv_cache_manager.fork(parent, fork)
+                fork.status = RequestStatus.RUNNING
+                fork.metrics.record_scheduled(parent.metrics.first_scheduled_time)
+                self.requests[fork.request_id] = fork
+                self.running.append(fork)
+                if parent.request_id in self.static_batch:
+                    self.static_batch.add(fork.request_id)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: dict[str, SampledToken]
     ) -> list[Request]:
         """Advance the scheduled requests past the step that just ran.
 
-        `sampled` holds the token of every request whose step sampled one (and of its forks).
-        Returns the requests that got a new token, finished ones included.
+        `sampled` holds the token of every sequence that sampled one, by id (forks included).
+        Returns the sequences that got a new token, finished ones included.
         """
         now = self.clock()
         progressed: list[Request] = []
+        finished: list[Request] = []
         for scheduled in output.scheduled:
             request = scheduled.request
+            if request.is_finished:
+                continue  # finished from outside (abort) while the step ran
             request.num_computed_tokens += scheduled.num_new_tokens
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            if not scheduled.samples:
-                continue
-            forks = self._fork(request)
-            for seq in (request, *forks):
-                self._append_token(seq, sampled[seq.request_id], now)
+            for seq in scheduled.sampling_seqs:
+                if seq.is_finished:
+                    continue
+                seq.num_computed_tokens = request.num_computed_tokens
+                token = sampled[seq.request_id]
+                seq.append_output_token(token.token_id, token.logprobs)
+                seq.metrics.record_token(now)
                 progressed.append(seq)
+                if check_stop(seq, self.max_model_len):
+                    finished.append(seq)
+        if finished:
+            self._free_finished(finished, now)
         return progressed
 
-    def _fork(self, parent: Request) -> list[Request]:
-        """n > 1: the prompt is computed once; the other completions now share its blocks.
-
-        Each fork holds a reference to every block of the parent, so the prompt's KV is stored
-        once; the first decode write into a shared, partly filled block copies it (copy-on-write).
-        """
-        forks, parent.pending_forks = parent.pending_forks, []
-        for fork in forks:
-            self.kv_cache_manager.fork(parent, fork)
-            fork.num_computed_tokens = parent.num_computed_tokens
-            fork.status = RequestStatus.RUNNING
-            fork.metrics.record_scheduled(parent.metrics.first_scheduled_time)
-            self.requests[fork.request_id] = fork
-            self.running.append(fork)
-        return forks
-
-    def _append_token(self, request: Request, sampled: SampledToken, now: float) -> None:
-        request.append_output_token(sampled.token_id, sampled.logprobs)
-        request.metrics.record_token(now)
-        if check_stop(request, self.max_model_len):
-            self._free_finished(request, now)
-
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
-        """Finish requests from outside the step (abort), wherever they are in the queues."""
+    def finish_requests(
+        self,
+        request_ids: Iterable[str],
+        status: RequestStatus,
+        stop_reason: int | str | None = None,
+    ) -> None:
+        """Finish requests from outside the step (abort, a stop string), wherever they are."""
         now = self.clock()
+        to_free: list[Request] = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
                 continue  # already finished
-            if request in self.waiting:
+            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 self.waiting.remove(request)
             for seq in (request, *request.pending_forks):
                 seq.status = status
+                seq.stop_reason = stop_reason
                 seq.metrics.record_finished(now)
             request.pending_forks = []
-            self._free_finished(request, now)
+            to_free.append(request)
+        if to_free:
+            self._free_finished(to_free, now)
 
-    def _free_finished(self, request: Request, now: float) -> None:
-        """A finished request leaves the batch and gives back its blocks."""
-        request.metrics.record_finished(now)
-        if request in self.running:
-            self.running.remove(request)
-        self.kv_cache_manager.free(request)
-        del self.requests[request.request_id]
+    def requeue(self, output: SchedulerOutput) -> None:
+        """Undo a planned step that did not run (interrupted): every request it scheduled
+        gives back its blocks and waits at the front of the queue, in its order, to be
+        recomputed; the forks it created wait as sequences of their own."""
+        for scheduled in reversed(output.scheduled):
+            for seq in reversed([scheduled.request, *scheduled.forks]):
+                if seq.is_finished or seq.status == RequestStatus.PREEMPTED:
+                    continue
+                self.running.remove(seq)
+                self._preempt(seq)
+
+    def _free_finished(self, finished: list[Request], now: float) -> None:
+        """Finished requests leave the batch (in one pass over it) and give back their blocks."""
+        gone = {id(request) for request in finished}
+        self.running = [r for r in self.running if id(r) not in gone]
+        for request in finished:
+            if request.metrics.finished_time is None:
+                request.metrics.record_finished(now)
+            self.kv_cache_manager.free(request)
+            del self.requests[request.request_id]
+            self.finished_req_ids.append(request.request_id)
 
 
 def remaining_work_tokens(request: Request, max_model_len: int) -> int:
@@ -344,52 +441,26 @@ def remaining_work_tokens(request: Request, max_model_len: int) -> int:
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
-    """Decide whether the token just appended finishes the request; detokenize it.
+    """Decide whether the token just appended finishes the request: stop tokens and length.
 
-    The order is vLLM's. Stop tokens first (EOS unless ignore_eos, then stop_token_ids); the
-    stop token's text is left out unless include_stop_str_in_output. Then stop strings, searched
-    in the text so far; the text is cut at the stop string (or after it, when it is to be
-    included). Both only once min_tokens tokens are out. Last, the length limits: max_tokens and
-    max_model_len.
+    The order is vLLM's. Stop tokens first (EOS unless ignore_eos, then stop_token_ids), only
+    once min_tokens tokens are out; then the length limits, max_tokens and max_model_len. Stop
+    strings need text, which the engine's output processor makes; it finishes a request whose
+    text reaches a stop string in the same step.
     """
     params = request.sampling_params
-    token_id = request.output_token_ids[-1]
-    may_stop = request.num_output_tokens >= params.min_tokens
-    is_eos = token_id in request.eos_token_ids and not params.ignore_eos
-    if may_stop and (is_eos or token_id in params.stop_token_ids):
-        if params.include_stop_str_in_output:
-            request.detokenize_last_token()
-        stop_reason = token_id if token_id in params.stop_token_ids else None  # EOS: None
-        return _finish(request, RequestStatus.FINISHED_STOPPED, stop_reason)
-
-    new_text = request.detokenize_last_token()
-    if may_stop and new_text and params.stop:
-        stop = find_stop_string(request.output_text, len(new_text), params.stop)
-        if stop is not None:
-            stop_str, stop_index = stop
-            if params.include_stop_str_in_output:
-                stop_index += len(stop_str)
-            request.output_text = request.output_text[:stop_index]
-            return _finish(request, RequestStatus.FINISHED_STOPPED, stop_str)
-
+    token_id = request.last_token_id
+    if request.num_output_tokens >= params.min_tokens:
+        if token_id in params.stop_token_ids:
+            return _finish(request, RequestStatus.FINISHED_STOPPED, token_id)
+        if token_id in request.eos_token_ids and not params.ignore_eos:
+            return _finish(request, RequestStatus.FINISHED_STOPPED, None)  # EOS: no stop_reason
     max_tokens = params.max_tokens
     if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
         request.num_tokens >= max_model_len
     ):
         return _finish(request, RequestStatus.FINISHED_LENGTH, None)
     return False
-
-
-def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> tuple[str, int] | None:
-    """The first stop string that ends within the last `num_new_chars` characters of `text`, and
-    where it starts. Only a match touching the new characters is new: earlier text was searched
-    on earlier tokens."""
-    for stop_str in stop:
-        start = max(0, len(text) - num_new_chars - len(stop_str) + 1)
-        stop_index = text.find(stop_str, start)
-        if stop_index != -1:
-            return stop_str, stop_index
-    return None
 
 
 def _finish(request: Request, status: RequestStatus, stop_reason: int | str | None) -> bool:

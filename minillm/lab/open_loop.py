@@ -130,7 +130,7 @@ def run_open_loop(engine: LLMEngine, requests: Sequence[TimedRequest]) -> OpenLo
                 arrival_time=start + request.arrival_s,
                 priority=request.priority,
             )
-            metrics[i] = engine.groups[request_id].seqs[0].metrics
+            metrics[i] = engine.output_processor.states[request_id].seqs[0].metrics
             queued_times[i] = now
             next_index += 1
         if not engine.has_unfinished_requests():

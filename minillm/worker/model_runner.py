@@ -6,8 +6,11 @@ values go and which blocks each sequence reads (`AttentionMetadata`), runs the m
 and samples from the hidden state of the last token of every request whose step samples.
 
 It also owns the KV cache itself: one tensor per layer,
-`[2, num_blocks, block_size, num_kv_heads, head_dim]`, whose blocks the KV-cache manager hands
-out by id. On a GPU, decode-only steps can replay CUDA graphs (`minillm.worker.cuda_graphs`).
+`[2, num_blocks, block_size, num_kv_heads, head_dim]`, whose blocks the scheduler's KV-cache
+manager hands out by id. Everything the runner needs about a step comes in the scheduler's
+output: each request's chunk, its block table, the block copies to make first, and which
+sequences sample from which row. It keeps only tensors and the random generators of seeded
+requests. On a GPU, decode-only steps can replay CUDA graphs (`minillm.worker.cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.request import Request
 from minillm.core.scheduler import ScheduledRequest, SchedulerOutput
 from minillm.model.attention import AttentionMetadata
@@ -24,7 +26,7 @@ from minillm.model.config import ModelConfig
 from minillm.model.llama import LlamaForCausalLM
 from minillm.outputs import SampledToken
 from minillm.worker.cuda_graphs import CUDAGraphConfig, CUDAGraphRunner
-from minillm.worker.sampler import Sampler, SamplerOutput, SamplingState
+from minillm.worker.sampler import Sampler, SamplerOutput, SamplingState, make_generator
 
 
 def allocate_kv_caches(
@@ -51,10 +53,7 @@ class ModelInput:
 
 
 def prepare_inputs(
-    scheduled: list[ScheduledRequest],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device,
+    scheduled: list[ScheduledRequest], block_size: int, device: torch.device
 ) -> ModelInput:
     """Pack the new tokens of the scheduled requests back to back into one batch.
 
@@ -62,6 +61,7 @@ def prepare_inputs(
     - 1. Token at position p is written to slot block_table[p // block_size] * block_size +
     p % block_size, and attends to the request's first p + 1 tokens.
     """
+    block_tables = [chunk.block_ids for chunk in scheduled]
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
@@ -110,42 +110,41 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_cache_manager: KVCacheManager,
         sampler: Sampler,
+        num_blocks: int,
+        block_size: int,
         cuda_graphs: CUDAGraphConfig | None = None,
     ) -> None:
         self.model = model
-        self.kv_cache_manager = kv_cache_manager
         self.sampler = sampler
         weight = model.lm_head.weight
         self.device = weight.device
-        self.block_size = kv_cache_manager.block_size
+        self.block_size = block_size
         self.kv_caches = allocate_kv_caches(
-            model.config,
-            kv_cache_manager.block_pool.num_blocks,
-            self.block_size,
-            weight.dtype,
-            self.device,
+            model.config, num_blocks, block_size, weight.dtype, self.device
         )
         self.cuda_graph_runner = (
             None
             if cuda_graphs is None
             else CUDAGraphRunner(model, self.kv_caches, self.block_size, cuda_graphs)
         )
+        # the random stream of each seeded sequence, created when it first samples
+        self.generators: dict[str, torch.Generator | None] = {}
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, SampledToken]:
         """One forward pass over the planned batch; returns the token of every sequence that
         samples, by request id (the forks of an n > 1 request included)."""
-        self.copy_blocks(self.kv_cache_manager.take_copy_on_write())
+        for request_id in scheduler_output.finished_req_ids:
+            self.generators.pop(request_id, None)
+        self.copy_blocks(scheduler_output.block_copies)
         scheduled = scheduler_output.scheduled
-        block_tables = [
-            self.kv_cache_manager.get_block_ids(chunk.request.request_id) for chunk in scheduled
-        ]
-        model_input = prepare_inputs(scheduled, block_tables, self.block_size, self.device)
+        if not scheduled:
+            return {}
+        model_input = prepare_inputs(scheduled, self.block_size, self.device)
         hidden = self.forward(model_input)
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
-        return self.sample(logits, [chunk.request for chunk in scheduled if chunk.samples])
+        return self.sample(logits, [chunk.sampling_seqs for chunk in scheduled if chunk.samples])
 
     def forward(self, model_input: ModelInput) -> torch.Tensor:
         """Hidden states of the batch: a CUDA graph replay for a decode step when captured."""
@@ -163,33 +162,36 @@ class ModelRunner:
             for kv_cache in self.kv_caches:
                 kv_cache[:, dst] = kv_cache[:, src]
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> dict[str, SampledToken]:
-        """One token for each request from its row of logits: [num_requests, vocab_size].
+    def sample(self, logits: torch.Tensor, rows: list[list[Request]]) -> dict[str, SampledToken]:
+        """One token for each sequence from its row of logits: [num_rows, vocab_size].
 
-        A request about to fork (n > 1) samples n tokens from the same row, one per sequence,
-        each with its own generator: the prompt is computed once, the completions diverge here.
+        rows[i] lists the sequences that sample from row i: one, or for a request that forks
+        in this step (n > 1) the request and its forks, each with its own generator: the
+        prompt is computed once, the completions diverge here.
         """
-        rows: list[int] = []
-        seqs: list[Request] = []
-        for row, request in enumerate(requests):
-            for seq in (request, *request.pending_forks):
-                rows.append(row)
-                seqs.append(seq)
+        row_of_seq = [row for row, seqs in enumerate(rows) for _ in seqs]
+        seqs = [seq for seqs in rows for seq in seqs]
         states = [
             SamplingState(
                 params=seq.sampling_params,
                 prompt_token_ids=seq.prompt_token_ids,
                 output_token_ids=seq.output_token_ids,
-                generator=seq.generator,
-                eos_token_ids=tuple(seq.eos_token_ids),
+                generator=self._generator(seq),
+                eos_token_ids=seq.eos_token_ids,
             )
             for seq in seqs
         ]
-        output = self.sampler(logits[rows], states)
+        output = self.sampler(logits[row_of_seq], states)
         return {
             seq.request_id: SampledToken(output.token_ids[i], sampled_logprobs(output, i, seq))
             for i, seq in enumerate(seqs)
         }
+
+    def _generator(self, seq: Request) -> torch.Generator | None:
+        if seq.request_id not in self.generators:
+            params = seq.sampling_params
+            self.generators[seq.request_id] = make_generator(params.seed, seq.index, self.device)
+        return self.generators[seq.request_id]
 
 
 def sampled_logprobs(output: SamplerOutput, i: int, seq: Request) -> dict[int, float] | None:
@@ -199,3 +201,56 @@ def sampled_logprobs(output: SamplerOutput, i: int, seq: Request) -> dict[int, f
     logprobs = {output.token_ids[i]: output.logprobs[i]}
     logprobs.update(output.top_logprobs[i] or [])
     return logprobs
+
+
+@torch.inference_mode()
+def profile_peak_bytes(model: LlamaForCausalLM, num_tokens: int) -> int:
+    """The device memory a forward over `num_tokens` prompt tokens peaks at, weights included
+    (CUDA's own count), measured with a throwaway KV cache just big enough for them."""
+    device = model.lm_head.weight.device
+    block_size = 16
+    num_blocks = -(-num_tokens // block_size)
+    kv_caches = allocate_kv_caches(
+        model.config, num_blocks, block_size, model.lm_head.weight.dtype, device
+    )
+    seq_len = min(num_tokens, model.config.max_position_embeddings)
+    num_seqs = -(-num_tokens // seq_len)
+    lengths = [seq_len] * (num_seqs - 1) + [num_tokens - seq_len * (num_seqs - 1)]
+    block_tables, start = [], 0
+    for length in lengths:
+        num_seq_blocks = -(-length // block_size)
+        block_tables.append(list(range(start, start + num_seq_blocks)))
+        start += num_seq_blocks
+    scheduled = [
+        _ProfileChunk(length, table) for length, table in zip(lengths, block_tables, strict=True)
+    ]
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    model_input = prepare_inputs(scheduled, block_size, device)
+    hidden = model(model_input.input_ids, model_input.positions, kv_caches, model_input.meta)
+    model.compute_logits(hidden[model_input.logits_indices])
+    torch.cuda.synchronize(device)
+    peak_bytes = torch.cuda.max_memory_allocated(device)
+    del kv_caches, hidden
+    torch.cuda.empty_cache()
+    # the throwaway cache was counted in the peak but is not the model's
+    return peak_bytes - num_blocks * block_size * model.config.kv_bytes_per_token(
+        model.lm_head.weight.element_size()
+    )
+
+
+class _ProfileChunk:
+    """A whole dummy prompt of `length` tokens, shaped like a ScheduledRequest for
+    prepare_inputs."""
+
+    def __init__(self, length: int, block_ids: list[int]) -> None:
+        self.request = _DummyTokens(length)
+        self.num_computed_tokens = 0
+        self.num_new_tokens = length
+        self.samples = True
+        self.block_ids = block_ids
+
+
+class _DummyTokens:
+    def __init__(self, length: int) -> None:
+        self.all_token_ids = [0] * length

@@ -7,7 +7,8 @@ import pytest
 import torch
 from tiny_llama import build_tiny_llama
 
-from minillm.engine.llm_engine import EngineArgs, LLMEngine
+from minillm.engine.args import EngineArgs
+from minillm.engine.llm_engine import LLMEngine
 from minillm.model.loader import load_model
 from minillm.sampling_params import SamplingParams
 from minillm.worker.cuda_graphs import CUDAGraphConfig, CUDAGraphRunner, graph_batch_sizes

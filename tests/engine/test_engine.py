@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tiny_llama import build_tiny_llama, greedy_reference
 
-from minillm.engine.llm_engine import EngineArgs, LLMEngine
+from minillm.engine.args import EngineArgs
+from minillm.engine.llm_engine import LLMEngine
 from minillm.model.loader import load_model
 from minillm.sampling_params import SamplingParams
 
@@ -215,7 +216,7 @@ def test_bad_requests_are_rejected_and_the_others_finish_unchanged(model_dir, re
         ("no-room", list(range(2, 66))[:64], GREEDY, "at most 63 prompt tokens"),
         ("vocab", [3, 320], GREEDY, r"\[0, 320\)"),
         ("negative", [-1], GREEDY, r"\[0, 320\)"),
-        ("type", [1.5], GREEDY, "str or a list of token ids"),
+        ("type", [1.5], GREEDY, "a str, a list of token ids or a prompt dict"),
         ("n", [3], SamplingParams(n=5), "max_num_seqs=4"),
         ("params", [3], {"temperature": 0}, "SamplingParams"),
         ("0", [3], GREEDY, "already in use"),

@@ -9,7 +9,7 @@ from tiny_llama import build_tiny_llama, greedy_reference
 
 import minillm
 from minillm.cli.main import main
-from minillm.engine.llm_engine import EngineArgs
+from minillm.engine.args import EngineArgs
 from minillm.llm import LLM, as_prompt_list
 from minillm.model.loader import DEFAULT_MODEL
 from minillm.sampling_params import SamplingParams

@@ -18,7 +18,8 @@ def test_prepare_inputs_packs_a_decode_chunk_and_a_prefill_chunk():
     # a: 8 tokens, 5 cached, computes its last 3 and samples; b: a 6-token prompt, first 2
     a, b = request("a", 8, 5), request("b", 6, 0)
     scheduled = [ScheduledRequest.plan(a, 3), ScheduledRequest.plan(b, 2)]
-    model_input = prepare_inputs(scheduled, [[7, 2], [3]], block_size=4, device="cpu")
+    scheduled[0].block_ids, scheduled[1].block_ids = [7, 2], [3]
+    model_input = prepare_inputs(scheduled, block_size=4, device="cpu")
     assert model_input.input_ids.tolist() == [105, 106, 107, 100, 101]
     assert model_input.positions.tolist() == [5, 6, 7, 0, 1]
     meta = model_input.meta

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from tiny_llama import build_tiny_llama
 
-from minillm.engine.llm_engine import EngineArgs, LLMEngine
+from minillm.engine.args import EngineArgs
+from minillm.engine.llm_engine import LLMEngine
 from minillm.lab.open_loop import (
     TimedRequest,
     poisson_arrival_times,

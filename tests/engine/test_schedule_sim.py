@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_llama import build_tiny_llama
 
-from minillm.engine.llm_engine import EngineArgs, LLMEngine
+from minillm.engine.args import EngineArgs
+from minillm.engine.llm_engine import LLMEngine
 from minillm.lab.schedule_sim import ScheduleSim, SimRequest, simulate_schedule
 from minillm.sampling_params import SamplingParams
 

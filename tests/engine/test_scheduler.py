@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.request import Request, RequestStatus
-from minillm.core.scheduler import Scheduler, check_stop, find_stop_string
+from minillm.core.scheduler import Scheduler, check_stop
 from minillm.outputs import SampledToken
 from minillm.sampling_params import SamplingParams
 
@@ -36,6 +36,7 @@ def make_scheduler(
     prefix=True,
 ):
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    max_num_seqs = min(max_num_seqs, budget)  # every seat needs a token each step (vLLM's rule)
     return Scheduler(manager, max_num_seqs, budget, max_model_len, chunked, clock=lambda: 0.0)
 
 
@@ -43,10 +44,9 @@ def sample_all(output, token_id=7, rng=None):
     """Fake model runner: a token for every sequence whose step samples (forks included)."""
     sampled = {}
     for scheduled in output.scheduled:
-        if scheduled.samples:
-            for seq in (scheduled.request, *scheduled.request.pending_forks):
-                token = token_id if rng is None else rng.randrange(1, 100)
-                sampled[seq.request_id] = SampledToken(token)
+        for seq in scheduled.sampling_seqs:
+            token = token_id if rng is None else rng.randrange(1, 100)
+            sampled[seq.request_id] = SampledToken(token)
     return sampled
 
 
@@ -186,24 +186,50 @@ def test_a_request_preempts_itself_when_it_is_the_newest():
     assert list(scheduler.waiting) == [b]
 
 
-def test_n_greater_than_one_forks_after_the_prompt_and_shares_its_blocks():
+def test_n_greater_than_one_forks_when_the_prompt_is_planned_and_shares_its_blocks():
     scheduler = make_scheduler(block_size=4, budget=64)
     parent = make_request("a", 6, n=3, max_tokens=2)
     forks = list(parent.pending_forks)
     scheduler.add_request(parent)
     manager = scheduler.kv_cache_manager
     output = scheduler.schedule()
+    # the plan names the forks, and they already share every block of the parent
+    [scheduled] = output.scheduled
+    assert scheduled.forks == forks and scheduled.sampling_seqs == [parent, *forks]
+    assert parent.pending_forks == []
+    block_ids = manager.get_block_ids("a")
+    assert scheduled.block_ids == block_ids
+    assert all(manager.get_block_ids(f.request_id) == block_ids for f in forks)
+    assert [manager.block_pool.blocks[i].ref_cnt for i in block_ids] == [3, 3]
     sampled = {"a": SampledToken(5), "a#1": SampledToken(6), "a#2": SampledToken(7)}
     scheduler.update_from_output(output, sampled)
     assert [r.output_token_ids for r in (parent, *forks)] == [[5], [6], [7]]
-    block_ids = manager.get_block_ids("a")
-    assert all(manager.get_block_ids(f.request_id) == block_ids for f in forks)
-    assert [manager.block_pool.blocks[i].ref_cnt for i in block_ids] == [3, 3]
-    # each decode writes position 6 into the shared second block: copy-on-write for two of them
+    assert [r.num_computed_tokens for r in (parent, *forks)] == [6, 6, 6]
+    # each decode writes position 6 into the shared second block: copy-on-write for two of
+    # them, and the copies travel in the plan
     output = scheduler.schedule()
     assert plan(output) == [("a", 1, "decode"), ("a#1", 1, "decode"), ("a#2", 1, "decode")]
-    copies = manager.take_copy_on_write()
-    assert len(copies) == 2 and all(src == block_ids[1] for src, _ in copies)
+    assert len(output.block_copies) == 2
+    assert all(src == block_ids[1] for src, _ in output.block_copies)
+    assert [s.block_ids for s in output.scheduled] == [
+        manager.get_block_ids(r.request_id) for r in (parent, *forks)
+    ]
+    assert manager.take_copy_on_write() == []
+
+
+def test_static_batching_holds_with_forks():
+    scheduler = make_scheduler(block_size=4, budget=64, max_num_seqs=4)
+    scheduler.batching_type = "static"
+    a, b = make_request("a", 6, n=2, max_tokens=3), make_request("b", 6, max_tokens=3)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    step(scheduler)
+    assert scheduler.static_batch == {"a", "a#1", "b"}
+    late = make_request("late", 2, max_tokens=2)
+    scheduler.add_request(late)
+    while any(r.request_id != "late" for r in scheduler.running):
+        assert "late" not in [s.request.request_id for s in step(scheduler).scheduled]
+    assert [s.request.request_id for s in step(scheduler).scheduled] == ["late"]
 
 
 def test_abort_finishes_waiting_and_running_requests_and_frees_their_blocks():
@@ -230,14 +256,7 @@ def test_trace_records_tokens_and_phase_per_request():
     assert trace.preempted == []
 
 
-# ---- stop conditions ----
-
-
-class CharDetokenizer:
-    """Token t is the character chr(t); EOS (0) has no text."""
-
-    def add_token(self, token_id):
-        return "" if token_id == EOS else chr(token_id)
+# ---- stop conditions: stop tokens and length (stop strings are the output processor's) ----
 
 
 def feed(request, token_ids, max_model_len=100):
@@ -251,25 +270,13 @@ def feed(request, token_ids, max_model_len=100):
 
 def text_request(**params):
     params.setdefault("max_tokens", 20)
-    request = Request(
-        "r",
-        [1, 2],
-        SamplingParams(**params),
-        0.0,
-        eos_token_ids=frozenset({EOS}),
-    )
-    request.detokenizer = CharDetokenizer()
-    return request
+    return Request("r", [1, 2], SamplingParams(**params), 0.0, eos_token_ids=frozenset({EOS}))
 
 
 def test_eos_stops_unless_ignored_or_before_min_tokens():
     request = text_request()
     assert feed(request, [ord("h"), EOS, ord("x")])
-    assert (request.status, request.stop_reason, request.output_text) == (
-        RequestStatus.FINISHED_STOPPED,
-        None,
-        "h",
-    )
+    assert (request.status, request.stop_reason) == (RequestStatus.FINISHED_STOPPED, None)
     assert request.output_token_ids == [ord("h"), EOS]
     assert not feed(text_request(ignore_eos=True), [EOS, EOS])
     request = text_request(min_tokens=2)
@@ -278,23 +285,15 @@ def test_eos_stops_unless_ignored_or_before_min_tokens():
 
 
 def test_stop_token_ids_give_the_token_as_stop_reason():
-    request = text_request(stop_token_ids=[ord("!")], include_stop_str_in_output=True)
-    assert feed(request, [ord(c) for c in "hi!"])
-    assert (request.stop_reason, request.output_text) == (ord("!"), "hi!")
     request = text_request(stop_token_ids=[ord("!")])
     assert feed(request, [ord(c) for c in "hi!"])
-    assert request.output_text == "hi"
+    assert (request.status, request.stop_reason) == (RequestStatus.FINISHED_STOPPED, ord("!"))
 
 
-def test_stop_string_across_tokens_cuts_the_text():
-    request = text_request(stop=["END", "xyz"])
-    assert feed(request, [ord(c) for c in "abcENDdef"])
-    assert (request.status, request.stop_reason) == (RequestStatus.FINISHED_STOPPED, "END")
-    assert request.output_text == "abc"
-    assert request.num_output_tokens == 6
-    request = text_request(stop="END", include_stop_str_in_output=True)
-    assert feed(request, [ord(c) for c in "abcENDdef"])
-    assert request.output_text == "abcEND"
+def test_stop_strings_are_not_the_schedulers_business():
+    request = text_request(stop=["END"])
+    assert not feed(request, [ord(c) for c in "abcENDdef"])
+    assert request.status is RequestStatus.WAITING
 
 
 def test_length_limits():
@@ -304,13 +303,6 @@ def test_length_limits():
     request = text_request(max_tokens=None)
     assert feed(request, [ord("a")] * 10, max_model_len=6)
     assert (request.status, request.num_tokens) == (RequestStatus.FINISHED_LENGTH, 6)
-
-
-def test_find_stop_string_only_reports_matches_touching_the_new_text():
-    assert find_stop_string("ab stop cd", 2, ["stop"]) is None
-    assert find_stop_string("ab sto", 1, ["stop"]) is None
-    assert find_stop_string("ab stop", 1, ["stop"]) == ("stop", 3)
-    assert find_stop_string("ab stop!", 5, ["x", "!", "stop"]) == ("!", 7)
 
 
 # ---- properties: a real KVCacheManager and a fake model runner ----
@@ -361,7 +353,6 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self):
         output = self.scheduler.schedule()
         self.check_plan(output)
-        self.scheduler.kv_cache_manager.take_copy_on_write()
         self.scheduler.update_from_output(output, sample_all(output, rng=self.rng))
 
     @precondition(lambda self: self.requests)
@@ -386,6 +377,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 num_tokens
             )
             assert num_tokens <= s.request.num_tokens
+            # the plan carries the block table the runner will use
+            assert s.block_ids == manager.get_block_ids(s.request.request_id)
+        assert output.num_batched_tokens == sum(s.num_new_tokens for s in output.scheduled)
+        assert output.num_batched_tokens <= self.scheduler.max_num_batched_tokens
 
     @invariant()
     def blocks_are_accounted_for(self):

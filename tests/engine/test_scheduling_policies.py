@@ -13,7 +13,7 @@ from tiny_llama import build_tiny_llama, greedy_reference
 
 from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.scheduler import Scheduler, remaining_work_tokens
-from minillm.engine.llm_engine import EngineArgs
+from minillm.engine.args import EngineArgs
 from minillm.llm import LLM
 from minillm.model.loader import load_model
 from minillm.sampling_params import SamplingParams
@@ -84,7 +84,8 @@ def test_sjf_serves_the_fewest_remaining_tokens_first():
 
 def test_remaining_work_counts_recompute_after_preemption_and_caps_at_max_model_len():
     r = request("a", 10, max_tokens=6)
-    r.output_token_ids = [7, 7]
+    for token_id in (7, 7):
+        r.append_output_token(token_id, None)
     r.num_computed_tokens = 11
     assert remaining_work_tokens(r, 64) == 1 + 4
     r.num_computed_tokens = 0  # preempted: prompt and outputs are recomputed

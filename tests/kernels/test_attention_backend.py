@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from kernel_testing import ATTENTION_TOLERANCE, DEVICE, DTYPES, assert_close
 from tiny_llama import build_tiny_llama
 
-from minillm.engine.llm_engine import EngineArgs, LLMEngine
+from minillm.engine.args import EngineArgs
+from minillm.engine.llm_engine import LLMEngine
 from minillm.model.attention import AttentionMetadata, get_attention_backend, torch_paged_attention
 from minillm.model.triton_backend import TritonAttentionBackend
 from minillm.sampling_params import SamplingParams

@@ -1,0 +1,187 @@
+"""`EngineArgs`: the engine's options (vLLM's names), their defaults, and the KV-cache sizing.
+
+Options are checked twice, each check once: what can be judged from the options alone when
+`EngineArgs` is made (before a model is loaded), and what needs the model (max_model_len
+against the model's limit, the pool against one sequence) in `resolve`, before any memory is
+allocated. Either way a bad option is a ValueError that names it and says what would work.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from minillm.core.scheduler import check_scheduler_options
+from minillm.model.config import ModelConfig
+from minillm.model.loader import DEFAULT_MODEL
+
+# max_model_len defaults to the model's limit, but at most this: a CPU pool for 40k-token
+# contexts (Qwen3) would be gigabytes
+DEFAULT_MAX_MODEL_LEN = 4096
+# a pool sized from max_num_seqs * max_model_len / 2 stays under this unless asked otherwise
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 32
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Engine options (vLLM's names). None means: derive a default from the model."""
+
+    model: str | os.PathLike = DEFAULT_MODEL
+    dtype: str | None = None  # None: the checkpoint's torch_dtype
+    device: str | None = None  # None: "cuda" when available, else "cpu"
+    block_size: int = 16
+    # None: 32, or the token budget when that is smaller (each seat needs a token a step)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None  # None: 2048, raised to max_model_len without chunks
+    max_model_len: int | None = None  # None: max_position_embeddings, at most 4096
+    enable_prefix_caching: bool = True
+    # "hash": vLLM's chained block hashes; "radix": SGLang's radix tree over token ids
+    prefix_caching_algo: str = "hash"
+    enable_chunked_prefill: bool = True
+    num_gpu_blocks: int | None = None  # KV-cache pool size in blocks ...
+    kv_cache_memory_bytes: int | None = None  # ... or as a memory budget; default: see num_blocks
+    # on CUDA without either of the two above: the share of the device's memory the engine may
+    # fill, weights and activations included; the KV cache gets what is left (vLLM's rule)
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str | None = None  # None: "triton" on CUDA, "torch" on the CPU
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    seed: int = 0  # seeds the generator that rows without their own seed share
+    scheduling_policy: str = "fcfs"  # the waiting queue's order: "fcfs", "priority" or "sjf"
+    batching_type: str = "continuous"  # or "static": a new batch only when the last one is done
+    stats_window: int = 1024  # steps of per-step statistics kept (a bounded window)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs is None:
+            budget = self.max_num_batched_tokens
+            fits = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
+            self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, budget) if fits else DEFAULT_MAX_NUM_SEQS
+        for name in ("block_size", "max_num_seqs", "stats_window"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=0)
+        if self.num_gpu_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("give num_gpu_blocks or kv_cache_memory_bytes, not both")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.prefix_caching_algo not in PREFIX_CACHING_ALGOS:
+            raise ValueError(
+                f"prefix_caching_algo must be one of {PREFIX_CACHING_ALGOS}, "
+                f"got {self.prefix_caching_algo!r}"
+            )
+        utilization = self.gpu_memory_utilization
+        if (
+            isinstance(utilization, bool)
+            or not isinstance(utilization, (int, float))
+            or not (0 < utilization <= 1)
+        ):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        # the scheduler's own rules, with the defaults a model does not change
+        check_scheduler_options(
+            self.max_num_seqs,
+            self.max_num_batched_tokens or max(self.max_num_seqs, DEFAULT_MAX_NUM_BATCHED_TOKENS),
+            1,
+            True,
+            self.scheduling_policy,
+            self.batching_type,
+        )
+
+    def resolve_max_model_len(self, config: ModelConfig) -> int:
+        limit = config.max_position_embeddings
+        if self.max_model_len is None:
+            return min(limit, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({limit})"
+            )
+        return self.max_model_len
+
+    def resolve_max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs, max_model_len)
+
+    def num_blocks(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        max_model_len: int,
+        available_bytes: int | None = None,
+    ) -> int:
+        """KV-cache blocks: num_gpu_blocks, or what kv_cache_memory_bytes holds, or what
+        `available_bytes` holds (on CUDA: gpu_memory_utilization's share left after the
+        weights and a warm-up forward), or by default room for max_num_seqs sequences half as
+        long as max_model_len, at least one whole sequence, at most 1 GiB unless one sequence
+        needs more.
+
+        Refuses, before anything is allocated, a pool that cannot hold one sequence of
+        max_model_len tokens (it could never finish) and one larger than the memory there is.
+        """
+        block_bytes = kv_cache_block_bytes(config, self.block_size, dtype)
+        min_blocks = math.ceil(max_model_len / self.block_size)
+        if self.num_gpu_blocks is not None:
+            num_blocks = self.num_gpu_blocks
+        elif self.kv_cache_memory_bytes is not None:
+            num_blocks = self.kv_cache_memory_bytes // block_bytes
+        elif available_bytes is not None:
+            num_blocks = available_bytes // block_bytes
+        else:
+            num_tokens = self.max_num_seqs * max_model_len // 2
+            budget_bytes = min(
+                num_tokens * block_bytes // self.block_size, DEFAULT_KV_CACHE_MEMORY_BYTES
+            )
+            num_blocks = max(budget_bytes // block_bytes, min_blocks)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {self.block_size} tokens, "
+                f"{num_blocks * block_bytes:,} bytes) cannot hold one sequence of "
+                f"max_model_len={max_model_len} tokens; give at least {min_blocks} blocks "
+                f"({min_blocks * block_bytes:,} bytes) or a smaller max_model_len"
+            )
+        return num_blocks
+
+
+PREFIX_CACHING_ALGOS = ("hash", "radix")
+
+
+def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block: block_size tokens of keys and values in every layer."""
+    return block_size * config.kv_bytes_per_token(dtype.itemsize)
+
+
+def check_pool_fits(num_blocks: int, block_bytes: int, device: torch.device) -> None:
+    """Refuse a pool larger than the memory the device has free, before allocating it."""
+    free_bytes = device_free_bytes(device)
+    pool_bytes = num_blocks * block_bytes
+    if free_bytes is not None and pool_bytes > free_bytes:
+        raise ValueError(
+            f"a KV cache of {num_blocks:,} blocks needs {pool_bytes:,} bytes, but the "
+            f"{device.type} has {free_bytes:,} bytes free; ask for fewer blocks"
+        )
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free memory: what CUDA reports for a GPU; available physical memory for the CPU."""
+    if device.type == "cuda":
+        free_bytes, _total = torch.cuda.mem_get_info(device)
+        return free_bytes
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None  # not a POSIX system: no limit known
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
