@@ -244,7 +244,12 @@ class LLMEngine:
             self.scheduler.requeue(plan)
             raise
         progressed = self.scheduler.update_from_output(plan, sampled)
-        for seq, stop_str in self.output_processor.detokenize(progressed):
+        stopped, failed = self.output_processor.detokenize(progressed)
+        for seq, message in failed:
+            state = self.output_processor.state_of_seq.get(seq.request_id)
+            if state is not None:
+                self.abort_request(state.request_id, error=message)
+        for seq, stop_str in stopped:
             if seq.is_finished:  # the scheduler stopped it on length in the same step
                 seq.status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
             else:

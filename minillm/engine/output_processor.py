@@ -76,19 +76,27 @@ class OutputProcessor:
     def is_in_use(self, request_id: str, seq_ids: list[str]) -> bool:
         return request_id in self.states or any(i in self.state_of_seq for i in seq_ids)
 
-    def detokenize(self, progressed: list[Request]) -> list[tuple[Request, str]]:
+    def detokenize(
+        self, progressed: list[Request]
+    ) -> tuple[list[tuple[Request, str]], list[tuple[Request, str]]]:
         """Turn the new tokens of each progressed sequence into text.
 
         Returns the (sequence, stop string) pairs whose text reached a stop string in this
-        step; the caller finishes those sequences.
+        step, which the caller finishes, and the (sequence, error) pairs whose text could not
+        be made, which the caller aborts: one failing request costs the others nothing.
         """
         stopped: list[tuple[Request, str]] = []
+        failed: list[tuple[Request, str]] = []
         for seq in progressed:
             state = self.state_of_seq[seq.request_id]
-            stop = detokenize_new_tokens(seq, state.texts[seq.index])
+            try:
+                stop = detokenize_new_tokens(seq, state.texts[seq.index])
+            except Exception as error:  # noqa: BLE001 - reported with the request
+                failed.append((seq, f"{type(error).__name__}: {error}"))
+                continue
             if stop is not None:
                 stopped.append((seq, stop))
-        return stopped
+        return stopped, failed
 
     def report(self, state: RequestState) -> None:
         """Report a request finished from outside the step (abort) in the next outputs, and
@@ -99,9 +107,11 @@ class OutputProcessor:
     def make_outputs(self, progressed: list[Request]) -> list[RequestOutput]:
         """One RequestOutput per prompt that got a new token or finished since the last step."""
         states, self.to_report = self.to_report, []
+        seen = {id(state) for state in states}
         for seq in progressed:
             state = self.state_of_seq.get(seq.request_id)
-            if state is not None and state not in states:
+            if state is not None and id(state) not in seen:
+                seen.add(id(state))
                 states.append(state)
         outputs = [make_request_output(state) for state in states]
         for state in states:
