@@ -5,6 +5,11 @@ use while at least one request's block table holds it (`ref_cnt > 0`). Free bloc
 free list in the order they were freed. A free block that holds a full, hashed block of tokens
 stays findable by its hash (the prefix cache) until the free list hands it out again, so the
 cached blocks nobody uses are evicted least recently used first (LRU).
+
+With `prefix_caching_algo="radix"` a radix tree over pages of tokens (`RadixCache`) indexes the
+cached blocks instead of their hashes, and it decides what to evict, as in SGLang: a free block
+the tree still indexes stays out of the free list until the tree gives it up, which it does
+leaf by leaf, least recently used first, only when no uncached free block is left.
 """
 
 import hashlib
@@ -12,6 +17,8 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from minillm.core.radix_cache import RadixCache, RadixNode
 
 
 @dataclass(slots=True)
@@ -23,6 +30,7 @@ class KVCacheBlock:
     ref_cnt: int = 0
     # chained hash of the block's tokens while the prefix cache can find it, else None
     block_hash: int | None = None
+    in_radix_tree: bool = False  # prefix_caching_algo="radix": the tree can find it
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -41,7 +49,9 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 class BlockPool:
     """All KV-cache blocks, the free list, and the prefix cache's map from hash to block."""
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, enable_prefix_caching: bool, radix: RadixCache | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -53,10 +63,13 @@ class BlockPool:
         )
         # prefix cache: full blocks by hash, in use or free (until reused)
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        # prefix_caching_algo="radix": the tree of cached blocks, and how many of them are free
+        self.radix = radix
+        self.num_free_in_tree = 0
 
     def get_num_free_blocks(self) -> int:
         """Blocks no request holds, cached ones included: they can be reused at any time."""
-        return len(self.free_block_queue)
+        return len(self.free_block_queue) + self.num_free_in_tree
 
     @property
     def usage(self) -> float:
@@ -73,6 +86,8 @@ class BlockPool:
             raise ValueError(
                 f"cannot allocate {num_blocks} blocks: only {self.get_num_free_blocks()} are free"
             )
+        if num_blocks > len(self.free_block_queue):
+            self._evict_from_tree(num_blocks - len(self.free_block_queue))
         new_blocks = []
         for _ in range(num_blocks):
             _, block = self.free_block_queue.popitem(last=False)
@@ -94,7 +109,10 @@ class BlockPool:
                 raise ValueError(f"block {block.block_id} is already free")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue[block.block_id] = block
+                if block.in_radix_tree:
+                    self.num_free_in_tree += 1  # stays findable until the tree evicts it
+                else:
+                    self.free_block_queue[block.block_id] = block
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference to each block (a prefix-cache hit or a fork).
@@ -104,7 +122,10 @@ class BlockPool:
         """
         for block in blocks:
             if block.ref_cnt == 0:
-                del self.free_block_queue[block.block_id]
+                if block.in_radix_tree:
+                    self.num_free_in_tree -= 1
+                else:
+                    del self.free_block_queue[block.block_id]
             block.ref_cnt += 1
 
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
@@ -124,3 +145,26 @@ class BlockPool:
         if block_hash not in self.cached_block_hash_to_block:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
+
+    def add_to_tree(self, block: KVCacheBlock) -> None:
+        """A block the radix tree now indexes (prefix_caching_algo="radix")."""
+        if block.in_radix_tree or block.ref_cnt < 1:
+            raise ValueError(f"block {block.block_id} cannot join the tree")
+        block.in_radix_tree = True
+
+    def _evict_from_tree(self, num_blocks: int) -> None:
+        """Let the radix tree give up at least `num_blocks` free blocks, LRU leaves first; a
+        leaf goes only when no request holds any of its blocks."""
+        if self.radix is None:
+            return
+
+        def is_free(node: RadixNode) -> bool:
+            return all(block.ref_cnt == 0 for block in node.value)
+
+        def release(node: RadixNode) -> None:
+            for block in node.value:
+                block.in_radix_tree = False
+                self.num_free_in_tree -= 1
+                self.free_block_queue[block.block_id] = block
+
+        self.radix.evict(num_blocks * self.radix.page_size, can_evict=is_free, on_evict=release)

@@ -6,6 +6,10 @@ steps per request: look up the prompt's cached prefix (get_computed_blocks), res
 the tokens of the next step (allocate_slots), and, after the step, publish the blocks that became
 full to the prefix cache (cache_blocks). Forked requests share blocks until one of them writes
 into a shared block, which is then copied (copy-on-write).
+
+The prefix cache comes in two algorithms (`prefix_caching_algo`): "hash", vLLM's chained block
+hashes, and "radix", SGLang's radix tree, here over pages of block_size tokens. Both find the
+same blocks; they differ in how they find them and in which cached blocks they evict first.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from minillm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from minillm.core.radix_cache import RadixCache
+
+PREFIX_CACHING_ALGOS = ("hash", "radix")
 
 if TYPE_CHECKING:
     from minillm.core.request import Request
@@ -39,8 +46,16 @@ class KVCacheManager:
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if prefix_caching_algo not in PREFIX_CACHING_ALGOS:
+            raise ValueError(
+                f"prefix_caching_algo must be one of {PREFIX_CACHING_ALGOS}, "
+                f"got {prefix_caching_algo!r}"
+            )
         self.block_size = block_size
-        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.prefix_caching_algo = prefix_caching_algo
+        use_radix = enable_prefix_caching and prefix_caching_algo == "radix"
+        self.radix = RadixCache(page_size=block_size) if use_radix else None
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching, self.radix)
         # block table of each request, by request_id
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # chained hashes of each request's first full blocks, as far as cache_blocks has got
@@ -72,6 +87,11 @@ class KVCacheManager:
             return [], 0
         token_ids = request.all_token_ids
         num_lookup_blocks = (len(token_ids) - 1) // self.block_size
+        if self.radix is not None:
+            matched, node = self.radix.match_prefix(
+                token_ids[: num_lookup_blocks * self.block_size]
+            )
+            return self.radix.path_values(node), matched
         computed_blocks: list[KVCacheBlock] = []
         block_hash = None
         for i in range(num_lookup_blocks):
@@ -161,6 +181,9 @@ class KVCacheManager:
                 f"but request {request.request_id!r} holds {len(blocks)}"
             )
         token_ids = request.all_token_ids
+        if self.radix is not None:
+            self._insert_into_tree(token_ids, blocks, block_hashes, num_full_blocks)
+            return
         for i in range(len(block_hashes), num_full_blocks):
             parent_hash = block_hashes[-1] if block_hashes else None
             block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
@@ -168,6 +191,24 @@ class KVCacheManager:
             # a block shared with a fork may already be cached through the other request
             if blocks[i].block_hash is None:
                 self.block_pool.cache_full_block(blocks[i], block_hashes[-1])
+
+    def _insert_into_tree(
+        self,
+        token_ids: list[int],
+        blocks: list[KVCacheBlock],
+        num_cached: list[int],
+        num_full_blocks: int,
+    ) -> None:
+        """radix: insert the request's full blocks into the tree. A prefix the tree already
+        holds keeps its blocks (another request computed it first); this request's copies of
+        it stay ordinary blocks. `num_cached` has one entry per block already inserted."""
+        if num_full_blocks <= len(num_cached):
+            return
+        num_tokens = num_full_blocks * self.block_size
+        matched = self.radix.insert(token_ids[:num_tokens], blocks[:num_full_blocks])
+        for block in blocks[matched // self.block_size : num_full_blocks]:
+            self.block_pool.add_to_tree(block)
+        num_cached.extend([0] * (num_full_blocks - len(num_cached)))
 
     def free(self, request: Request) -> None:
         """Release every block of a request that finished, was aborted, or is preempted.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minillm.core.kv_cache_manager import PREFIX_CACHING_ALGOS
 from minillm.core.scheduler import check_scheduler_options
 from minillm.model.config import ModelConfig
 from minillm.model.loader import DEFAULT_MODEL
@@ -151,8 +152,6 @@ class EngineArgs:
             )
         return num_blocks
 
-
-PREFIX_CACHING_ALGOS = ("hash", "radix")
 
 
 def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

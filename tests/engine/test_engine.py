@@ -87,8 +87,19 @@ def test_one_request_alone_matches_the_reference(model_dir, reference):
         dict(max_num_batched_tokens=20, max_num_seqs=2),
         dict(enable_chunked_prefill=False),
         dict(enable_prefix_caching=False, max_num_batched_tokens=16),
+        dict(prefix_caching_algo="radix"),
+        dict(prefix_caching_algo="radix", max_num_batched_tokens=7, block_size=4),
     ],
-    ids=["default", "budget3", "budget7-block4", "budget20-seqs2", "no-chunking", "no-prefix"],
+    ids=[
+        "default",
+        "budget3",
+        "budget7-block4",
+        "budget20-seqs2",
+        "no-chunking",
+        "no-prefix",
+        "radix",
+        "radix-budget7-block4",
+    ],
 )
 def test_batching_does_not_change_greedy_outputs(model_dir, reference, engine_kwargs):
     engine = make_engine(model_dir, **engine_kwargs)
@@ -125,7 +136,7 @@ def test_forced_preemption_does_not_change_outputs(model_dir, reference):
     block_size=st.sampled_from([2, 4, 8]),
     budget=st.integers(2, 40),
     num_blocks=st.integers(8, 40),
-    prefix=st.booleans(),
+    prefix=st.sampled_from([None, "hash", "radix"]),
     prompt_indices=st.lists(st.integers(0, len(PROMPTS) - 1), min_size=1, max_size=5),
 )
 def test_any_schedule_gives_the_reference_greedy_output(
@@ -138,7 +149,8 @@ def test_any_schedule_gives_the_reference_greedy_output(
         block_size=block_size,
         max_num_batched_tokens=budget,
         num_gpu_blocks=num_blocks,
-        enable_prefix_caching=prefix,
+        enable_prefix_caching=prefix is not None,
+        prefix_caching_algo=prefix or "hash",
         max_model_len=max_model_len,
     )
     prompts = [PROMPTS[i] for i in prompt_indices]

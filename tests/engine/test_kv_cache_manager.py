@@ -532,3 +532,50 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 TestKVCacheMachine = KVCacheMachine.TestCase
+
+
+# ---- the radix tree as the prefix cache (prefix_caching_algo="radix") ----
+
+
+def test_the_radix_tree_finds_the_same_blocks_as_the_hashes():
+    managers = {
+        algo: KVCacheManager(12, block_size=4, prefix_caching_algo=algo)
+        for algo in ("hash", "radix")
+    }
+    for manager in managers.values():
+        assert admit(manager, Req("a", list(range(10))))
+        assert admit(manager, Req("b", [*range(6), 50, 51, 52, 53, 54]))
+    for tokens in (list(range(9)), [*range(4), 9, 9, 9, 9, 9], [*range(6), 50, 51, 52, 53, 54, 55]):
+        found = {
+            algo: [b.block_id for b in manager.get_computed_blocks(Req("q", tokens))[0]]
+            for algo, manager in managers.items()
+        }
+        assert found["hash"] == found["radix"], tokens
+
+
+def test_the_radix_tree_keeps_free_blocks_until_it_must_evict_its_lru_leaf():
+    manager = KVCacheManager(6, block_size=2, prefix_caching_algo="radix")
+    pool = manager.block_pool
+    old, new = Req("old", [1, 2, 3, 4, 5]), Req("new", [7, 8, 9, 10, 11])
+    assert admit(manager, old)  # 2 full blocks go into the tree, 1 partial block does not
+    manager.free(old)
+    assert admit(manager, new)
+    manager.free(new)
+    assert pool.get_num_free_blocks() == 6
+    assert len(pool.free_block_queue) == 2  # the two partial blocks: not in the tree
+    assert pool.num_free_in_tree == 4
+    # asking for 3 blocks takes the 2 uncached ones, then evicts the least recently used leaf
+    manager.get_computed_blocks(Req("touch-new", [7, 8, 9, 10, 0]))  # "new" was used last
+    pool.get_new_blocks(3)
+    assert manager.get_computed_blocks(Req("q", [1, 2, 3, 4, 0]))[1] == 0  # old: evicted
+    assert manager.get_computed_blocks(Req("q", [7, 8, 9, 10, 0]))[1] == 4  # new: kept
+
+
+def test_a_radix_block_in_use_is_never_evicted():
+    manager = KVCacheManager(4, block_size=2, prefix_caching_algo="radix")
+    a = Req("a", [1, 2, 3, 4, 5, 6])
+    assert admit(manager, a)  # 3 blocks, all full, in the tree and held by a
+    assert manager.block_pool.get_num_free_blocks() == 1
+    with pytest.raises(ValueError, match="only 1 are free"):
+        manager.block_pool.get_new_blocks(2)
+    assert manager.get_computed_blocks(Req("b", [1, 2, 3, 4, 5, 6, 7]))[1] == 6

@@ -35,7 +35,9 @@ def make_scheduler(
     chunked=True,
     prefix=True,
 ):
-    manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    # prefix: True or "hash" for hashed blocks, "radix" for the radix tree, False for none
+    algo = prefix if isinstance(prefix, str) else "hash"
+    manager = KVCacheManager(num_blocks, block_size, bool(prefix), prefix_caching_algo=algo)
     max_num_seqs = min(max_num_seqs, budget)  # every seat needs a token each step (vLLM's rule)
     return Scheduler(manager, max_num_seqs, budget, max_model_len, chunked, clock=lambda: 0.0)
 
@@ -131,8 +133,9 @@ def test_max_num_seqs_limits_the_batch_and_counts_pending_forks():
     assert [r.request_id for r in scheduler.waiting] == ["c"]
 
 
-def test_prefix_cache_hit_skips_the_cached_blocks_of_a_new_request():
-    scheduler = make_scheduler(block_size=4, budget=64)
+@pytest.mark.parametrize("algo", ["hash", "radix"])
+def test_prefix_cache_hit_skips_the_cached_blocks_of_a_new_request(algo):
+    scheduler = make_scheduler(block_size=4, budget=64, prefix=algo)
     scheduler.add_request(make_request("a", 10, max_tokens=1))
     step(scheduler)  # a computes 10 tokens: blocks 0 and 1 are full and cached, then a finishes
     scheduler.add_request(make_request("b", 11, max_tokens=1))
@@ -317,7 +320,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 5),
         budget=st.integers(2, 16),
         chunked=st.booleans(),
-        prefix=st.booleans(),
+        prefix=st.sampled_from([False, "hash", "radix"]),
         seed=st.integers(0, 2**16),
     )
     def setup(self, num_blocks, block_size, max_num_seqs, budget, chunked, prefix, seed):
