@@ -61,6 +61,7 @@ class KVCacheManager:
         # chained hashes of each request's first full blocks, as far as cache_blocks has got
         self.req_to_block_hashes: dict[str, list[int]] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self._block_ids: dict[str, list[int]] = {}  # get_block_ids, until the table changes
         # (src_block_id, dst_block_id) copies made while planning the next step; the scheduler
         # hands them to the model runner in its output (take_copy_on_write)
         self.pending_block_copies: list[tuple[int, int]] = []
@@ -120,6 +121,19 @@ class KVCacheManager:
         """
         if num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be at least 1, got {num_new_tokens}")
+        table = self.req_to_blocks.get(request.request_id)
+        if table and not new_computed_blocks:
+            # the common case, most decode steps: the new tokens land in blocks the request
+            # already holds alone, so there is nothing to allocate and nothing to copy
+            first = request.num_computed_tokens // self.block_size
+            last = (request.num_computed_tokens + num_new_tokens - 1) // self.block_size
+            if last < len(table) and (
+                table[last].ref_cnt == 1
+                if first == last
+                else all(table[i].ref_cnt == 1 for i in range(first, last + 1))
+            ):
+                return True
+        self._block_ids.pop(request.request_id, None)  # the table may change below
         new_computed_blocks = new_computed_blocks or []
         is_new_request = request.request_id not in self.req_to_blocks
         if new_computed_blocks and (not is_new_request or request.num_computed_tokens > 0):
@@ -172,9 +186,11 @@ class KVCacheManager:
         """After a step, make the request's newly full and computed blocks findable by hash."""
         if not self.block_pool.enable_prefix_caching:
             return
-        blocks = self.req_to_blocks[request.request_id]
         block_hashes = self.req_to_block_hashes[request.request_id]
         num_full_blocks = num_computed_tokens // self.block_size
+        if num_full_blocks <= len(block_hashes):
+            return  # no block became full in this step: most decode steps
+        blocks = self.req_to_blocks[request.request_id]
         if num_full_blocks > len(blocks):
             raise ValueError(
                 f"{num_computed_tokens} computed tokens need {num_full_blocks} blocks, "
@@ -219,6 +235,7 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_block_hashes.pop(request.request_id, None)
+        self._block_ids.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     def fork(self, parent_request: Request, child_request: Request) -> None:
@@ -246,5 +263,10 @@ class KVCacheManager:
         return copies
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table as block ids."""
-        return [block.block_id for block in self.req_to_blocks[request_id]]
+        """The request's block table as block ids (kept until the table changes: read it, do
+        not modify it)."""
+        block_ids = self._block_ids.get(request_id)
+        if block_ids is None:
+            block_ids = [block.block_id for block in self.req_to_blocks[request_id]]
+            self._block_ids[request_id] = block_ids
+        return block_ids

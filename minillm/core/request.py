@@ -27,7 +27,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in FINISH_REASONS
+        # identity tests: cheaper than hashing the member, and asked several times per step
+        return (
+            self is RequestStatus.FINISHED_STOPPED
+            or self is RequestStatus.FINISHED_LENGTH
+            or self is RequestStatus.FINISHED_ABORTED
+        )
 
     @property
     def finish_reason(self) -> str | None:

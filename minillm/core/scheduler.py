@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from minillm.core.kv_cache_manager import KVCacheManager
@@ -92,19 +92,21 @@ class ScheduledRequest:
     # chunk short of the end of the prompt samples nothing
     samples: bool
     phase: str  # "decode" (the token after the last sampled one) or "prefill"
-    block_ids: list[int] = field(default_factory=list)  # its block table once the step is planned
+    block_ids: Sequence[int] = ()  # its block table once the step is planned
     # n > 1: the completions forked from this request in this step; each samples its own token
     # from this request's row of logits
-    forks: list[Request] = field(default_factory=list)
+    forks: Sequence[Request] = ()
 
     @classmethod
     def plan(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
-        samples = request.num_computed_tokens + num_new_tokens == request.num_tokens
+        num_computed_tokens = request.num_computed_tokens
+        num_tokens = len(request.all_token_ids)
+        samples = num_computed_tokens + num_new_tokens == num_tokens
         # a preempted request recomputing its output tokens is prefilling again
-        is_decode = samples and num_new_tokens == 1 and request.num_output_tokens > 0
+        is_decode = samples and num_new_tokens == 1 and num_tokens > len(request.prompt_token_ids)
         return cls(
             request=request,
-            num_computed_tokens=request.num_computed_tokens,
+            num_computed_tokens=num_computed_tokens,
             num_new_tokens=num_new_tokens,
             samples=samples,
             phase="decode" if is_decode else "prefill",
@@ -362,12 +364,14 @@ class Scheduler:
         finished: list[Request] = []
         for scheduled in output.scheduled:
             request = scheduled.request
-            if request.is_finished:
+            if request.status.is_finished:
                 continue  # finished from outside (abort) while the step ran
             request.num_computed_tokens += scheduled.num_new_tokens
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            for seq in scheduled.sampling_seqs:
-                if seq.is_finished:
+            if not scheduled.samples:
+                continue
+            for seq in (request, *scheduled.forks) if scheduled.forks else (request,):
+                if seq.status.is_finished:
                     continue
                 seq.num_computed_tokens = request.num_computed_tokens
                 token = sampled[seq.request_id]
@@ -449,15 +453,17 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     text reaches a stop string in the same step.
     """
     params = request.sampling_params
-    token_id = request.last_token_id
-    if request.num_output_tokens >= params.min_tokens:
+    token_ids = request.all_token_ids
+    token_id = token_ids[-1]
+    num_output_tokens = len(token_ids) - len(request.prompt_token_ids)
+    if num_output_tokens >= params.min_tokens:
         if token_id in params.stop_token_ids:
             return _finish(request, RequestStatus.FINISHED_STOPPED, token_id)
         if token_id in request.eos_token_ids and not params.ignore_eos:
             return _finish(request, RequestStatus.FINISHED_STOPPED, None)  # EOS: no stop_reason
     max_tokens = params.max_tokens
-    if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
-        request.num_tokens >= max_model_len
+    if (max_tokens is not None and num_output_tokens >= max_tokens) or (
+        len(token_ids) >= max_model_len
     ):
         return _finish(request, RequestStatus.FINISHED_LENGTH, None)
     return False

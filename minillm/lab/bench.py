@@ -1,4 +1,6 @@
-"""`minillm bench offline`: continuous batching against its two baselines, in one run.
+"""`minillm bench offline` and `minillm bench scheduler`: speed measured, never asserted.
+
+`bench offline`: continuous batching against its two baselines, in one run.
 
 The same model and the same requests go through three systems on the same machine:
 
@@ -213,6 +215,80 @@ def bench_offline(args: argparse.Namespace) -> dict:
     }
 
 
+def scheduler_step_s(num_seqs: int, prompt_len: int, output_len: int) -> tuple[float, int]:
+    """Mean time of one scheduler step (schedule + update_from_output) with no model, as
+    num_seqs requests decode together; returns (seconds per step, number of steps)."""
+    from minillm.core.kv_cache_manager import KVCacheManager
+    from minillm.core.request import Request
+    from minillm.core.scheduler import Scheduler
+    from minillm.outputs import SampledToken
+    from minillm.sampling_params import SamplingParams
+
+    block_size = 16
+    num_blocks = num_seqs * -(-(prompt_len + output_len) // block_size) + 64
+    manager = KVCacheManager(num_blocks, block_size)
+    scheduler = Scheduler(
+        manager,
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=max(16384, num_seqs),
+        max_model_len=prompt_len + output_len + 1,
+    )
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    for i in range(num_seqs):
+        prompt = [(i * 7 + j) % 30000 for j in range(prompt_len)]
+        scheduler.add_request(Request(str(i), prompt, params, 0.0))
+    token = SampledToken(5)
+    num_steps = 0
+    start = time.perf_counter()
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule()
+        sampled = {seq.request_id: token for s in plan.scheduled for seq in s.sampling_seqs}
+        scheduler.update_from_output(plan, sampled)
+        num_steps += 1
+    return (time.perf_counter() - start) / num_steps, num_steps
+
+
+def bench_scheduler(args: argparse.Namespace) -> dict:
+    """Scheduler time per step for several batch sizes, repeats interleaved (round robin)."""
+    times: dict[int, list[float]] = {n: [] for n in args.num_seqs}
+    for _ in range(args.repeats):
+        for n in args.num_seqs:
+            step_s, num_steps = scheduler_step_s(n, args.prompt_len, args.output_len)
+            times[n].append(step_s)
+    print(
+        f"scheduler + KV-cache manager, no model: {args.prompt_len}-token prompts, "
+        f"{args.output_len} output tokens, {args.repeats} repeats interleaved"
+    )
+    print(f"{'sequences':>10} {'median ms/step':>15} {'min-max ms':>16} {'us/seq/step':>12}")
+    rows = []
+    for n, samples in times.items():
+        median = float(np.median(samples))
+        print(
+            f"{n:>10} {median * 1e3:15.3f} {min(samples) * 1e3:7.3f}-{max(samples) * 1e3:<8.3f}"
+            f" {median / n * 1e6:12.2f}"
+        )
+        rows.append({"num_seqs": n, "step_s": samples, "median_step_s": median})
+    smallest, largest = rows[0], rows[-1]
+    ratio = (largest["median_step_s"] / largest["num_seqs"]) / (
+        smallest["median_step_s"] / smallest["num_seqs"]
+    )
+    print(
+        f"cost per sequence at {largest['num_seqs']} / at {smallest['num_seqs']}: {ratio:.2f}x "
+        "(1.0 is linear bookkeeping)"
+    )
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+        "results": rows,
+        "per_sequence_cost_ratio": ratio,
+    }
+
+
 def cpu_name() -> str:
     """The CPU's model name (from /proc/cpuinfo on Linux), else the architecture."""
     try:
@@ -253,10 +329,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     offline.add_argument("--skip-transformers", action="store_true")
     offline.add_argument("--json", default=None, help="write the results to this JSON file")
     offline.set_defaults(func=_run_offline)
+    scheduler = kinds.add_parser(
+        "scheduler", help="scheduler time per step, no model, at several batch sizes"
+    )
+    scheduler.add_argument("--num-seqs", type=int, nargs="+", default=[32, 128, 256, 1024])
+    scheduler.add_argument("--prompt-len", type=int, default=32)
+    scheduler.add_argument("--output-len", type=int, default=256)
+    scheduler.add_argument("--repeats", type=int, default=3)
+    scheduler.add_argument("--json", default=None, help="write the results to this JSON file")
+    scheduler.set_defaults(func=_run_scheduler)
 
 
 def _run_offline(args: argparse.Namespace) -> int:
     record = bench_offline(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def _run_scheduler(args: argparse.Namespace) -> int:
+    record = bench_scheduler(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
