@@ -2,89 +2,146 @@
 
 Names, defaults and ranges follow vLLM's `SamplingParams`, so a reader's request code
 transfers. Bad values are rejected here, where they enter, rather than deep inside the sampler.
+The object is frozen: a value changed after construction would skip this validation.
 """
 
+import math
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Temperatures below this are greedy: dividing logits by a tiny temperature overflows
 # (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE_EPS = 1e-5
 
+# The sampler computes in float32: a temperature above float32's largest value becomes inf
+# there, and a masked logit -inf / inf is NaN.
+FLOAT32_MAX = float.fromhex("0x1.fffffep+127")  # about 3.4e38
+# vLLM accepts any repetition penalty > 0. A logit is divided or multiplied by it in float32,
+# so minillm bounds it to keep that finite for any logit a model can produce.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+# top_k becomes an integer tensor column (vLLM's is int32); any value >= the vocabulary size
+# already keeps every token.
+MAX_TOP_K = 2**31 - 1
+# vLLM's default max_logprobs.
+MAX_LOGPROBS = 20
+# torch.Generator.manual_seed accepts exactly these ints (a negative seed s is s + 2**64).
+# Completion i of a request seeds its generator with seed + i, so seed + n - 1 must fit too.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
+# stop_token_ids become int64 indices into the logits.
+MAX_TOKEN_ID = 2**63 - 1
 
-@dataclass(slots=True)
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling and stopping options.
 
     The sampler applies them in vLLM's order: penalties on the raw logits, then temperature,
     then the top-k, top-p and min-p filters, then one random draw (or argmax when greedy).
+
+    Where minillm is stricter than vLLM, it is so that every accepted value works in the
+    sampler: temperature <= FLOAT32_MAX, repetition_penalty in [0.01, 100], top_k <= 2**31 - 1,
+    logprobs <= 20, and seed + i within [-2**63, 2**64 - 1] for each completion i < n.
+    Integer fields take any integer (numpy's too) but not a bool; float fields take any real
+    number but not a bool. `stop` and `stop_token_ids` are stored as tuples.
     """
 
-    n: int = 1  # completions per prompt; child i of a seeded request uses seed + i
-    temperature: float = 1.0  # 0 means greedy
+    n: int = 1  # completions per prompt; completion i of a seeded request uses seed + i
+    temperature: float = 1.0  # 0 means greedy; at most FLOAT32_MAX
     top_p: float = 1.0  # (0, 1]; 1 is off
-    top_k: int = 0  # 0 or -1 is off
+    top_k: int = 0  # 0 or -1 is off; at most 2**31 - 1; >= the vocabulary size keeps all tokens
     min_p: float = 0.0  # [0, 1]; 0 is off
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
-    repetition_penalty: float = 1.0  # > 0; 1 is off
-    seed: int | None = None
+    repetition_penalty: float = 1.0  # [0.01, 100]; 1 is off
+    seed: int | None = None  # seed + n - 1 within [-2**63, 2**64 - 1]
     max_tokens: int | None = 16  # None: until a stop condition or the model's length limit
     min_tokens: int = 0  # stop tokens are masked until this many tokens are out
-    stop: str | list[str] | None = None  # normalized to a list
-    stop_token_ids: list[int] | None = None  # normalized to a list
+    stop: str | Sequence[str] | None = None  # normalized to a tuple of non-empty str
+    stop_token_ids: Sequence[int] | None = None  # normalized to a tuple of ids
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-n logprobs to return besides the sampled token's
+    logprobs: int | None = None  # top-n logprobs to return besides the sampled token's; <= 20
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an int >= 1")
-        _require(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 is greedy)")
-        _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        n = _as_int("n", self.n, "an int >= 1")
+        _require(n >= 1, "n", self.n, "an int >= 1")
+        temperature_allowed = f"a float in [0, {FLOAT32_MAX:.4g}] (0 is greedy)"
+        temperature = _as_float("temperature", self.temperature, temperature_allowed)
         _require(
-            isinstance(self.top_k, int) and self.top_k >= -1,
-            "top_k",
-            self.top_k,
-            "an int >= 1, or 0 or -1 to turn it off",
+            0 <= temperature <= FLOAT32_MAX, "temperature", self.temperature, temperature_allowed
         )
-        _require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        top_p = _as_float("top_p", self.top_p, "a float in (0, 1]")
+        _require(0 < top_p <= 1, "top_p", self.top_p, "a float in (0, 1]")
+        top_k_allowed = f"an int in [1, {MAX_TOP_K}], or 0 or -1 to turn it off"
+        top_k = _as_int("top_k", self.top_k, top_k_allowed)
+        _require(-1 <= top_k <= MAX_TOP_K, "top_k", self.top_k, top_k_allowed)
+        min_p = _as_float("min_p", self.min_p, "a float in [0, 1]")
+        _require(0 <= min_p <= 1, "min_p", self.min_p, "a float in [0, 1]")
+        penalties = {}
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _require(-2 <= value <= 2, name, value, "in [-2, 2]")
+            penalties[name] = _as_float(name, getattr(self, name), "a float in [-2, 2]")
+            _require(-2 <= penalties[name] <= 2, name, getattr(self, name), "a float in [-2, 2]")
+        repetition_allowed = (
+            f"a float in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}] (1 is off)"
+        )
+        repetition_penalty = _as_float(
+            "repetition_penalty", self.repetition_penalty, repetition_allowed
+        )
         _require(
-            self.repetition_penalty > 0,
+            MIN_REPETITION_PENALTY <= repetition_penalty <= MAX_REPETITION_PENALTY,
             "repetition_penalty",
             self.repetition_penalty,
-            "> 0 (1 is off)",
+            repetition_allowed,
         )
-        _require(
-            self.seed is None or isinstance(self.seed, int), "seed", self.seed, "None or an int"
-        )
-        _require(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-            "max_tokens",
-            self.max_tokens,
-            "None or an int >= 1",
-        )
-        _require(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-            "min_tokens",
-            self.min_tokens,
-            "an int >= 0",
-        )
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
-                f"and max_tokens={self.max_tokens}"
+        seed = None
+        if self.seed is not None:
+            seed_allowed = (
+                f"None or an int in [-2**63, 2**64 - n] (completion i seeds a 64-bit torch "
+                f"generator with seed + i; here n={n})"
             )
-        _require(
-            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-            "logprobs",
-            self.logprobs,
-            "None or an int >= 0",
-        )
-        self.stop = _normalize_stop(self.stop)
-        self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+            seed = _as_int("seed", self.seed, seed_allowed)
+            _require(MIN_SEED <= seed and seed + n - 1 <= MAX_SEED, "seed", self.seed, seed_allowed)
+        max_tokens = None
+        if self.max_tokens is not None:
+            max_tokens = _as_int("max_tokens", self.max_tokens, "None or an int >= 1")
+            _require(max_tokens >= 1, "max_tokens", self.max_tokens, "None or an int >= 1")
+        min_tokens = _as_int("min_tokens", self.min_tokens, "an int >= 0")
+        _require(min_tokens >= 0, "min_tokens", self.min_tokens, "an int >= 0")
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={min_tokens} "
+                f"and max_tokens={max_tokens}"
+            )
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs_allowed = f"None or an int in [0, {MAX_LOGPROBS}]"
+            logprobs = _as_int("logprobs", self.logprobs, logprobs_allowed)
+            _require(0 <= logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs, logprobs_allowed)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            _require(isinstance(value, bool), name, value, "True or False")
+
+        normalized = {
+            "n": n,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p,
+            **penalties,
+            "repetition_penalty": repetition_penalty,
+            "seed": seed,
+            "max_tokens": max_tokens,
+            "min_tokens": min_tokens,
+            "logprobs": logprobs,
+            "stop": _normalize_stop(self.stop),
+            "stop_token_ids": _normalize_stop_token_ids(self.stop_token_ids),
+        }
+        for name, value in normalized.items():
+            object.__setattr__(self, name, value)  # frozen: the one place fields are set
 
     @property
     def is_greedy(self) -> bool:
@@ -97,27 +154,48 @@ def _require(ok: bool, name: str, value: object, allowed: str) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def _normalize_stop(stop: object) -> list[str]:
-    """None -> [], "x" -> ["x"], a list of non-empty strings -> a copy of it."""
+def _as_int(name: str, value: object, allowed: str) -> int:
+    """value as a Python int; any integer type but bool (True is not a count of 1)."""
+    _require(
+        isinstance(value, numbers.Integral) and not isinstance(value, bool), name, value, allowed
+    )
+    return int(value)
+
+
+def _as_float(name: str, value: object, allowed: str) -> float:
+    """value as a finite Python float; any real number but bool."""
+    _require(isinstance(value, numbers.Real) and not isinstance(value, bool), name, value, allowed)
+    try:
+        result = float(value)
+    except OverflowError:  # an int too large for a float
+        result = math.inf
+    _require(math.isfinite(result), name, value, allowed)
+    return result
+
+
+def _normalize_stop(stop: object) -> tuple[str, ...]:
+    """None -> (), "x" -> ("x",), a list or tuple of non-empty strings -> a tuple of them."""
     if stop is None:
-        return []
+        return ()
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
         raise ValueError(f"stop must be None, a str or a list of str, got {stop!r}")
     if "" in stop:
         raise ValueError(f"stop strings must be non-empty, got {stop!r}")
-    return list(stop)
+    return tuple(stop)
 
 
-def _normalize_stop_token_ids(stop_token_ids: object) -> list[int]:
-    """None -> [], a list of token ids (ints >= 0) -> a copy of it."""
+def _normalize_stop_token_ids(stop_token_ids: object) -> tuple[int, ...]:
+    """None -> (), a list or tuple of token ids (ints in [0, 2**63 - 1]) -> a tuple of ints."""
     if stop_token_ids is None:
-        return []
-    if not isinstance(stop_token_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_token_ids
+        return ()
+    if not isinstance(stop_token_ids, list | tuple) or not all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
+        for t in stop_token_ids
     ):
         raise ValueError(
-            f"stop_token_ids must be None or a list of ints >= 0, got {stop_token_ids!r}"
+            f"stop_token_ids must be None or a list of ints in [0, 2**63 - 1], "
+            f"got {stop_token_ids!r}"
         )
-    return list(stop_token_ids)
+    return tuple(int(t) for t in stop_token_ids)
