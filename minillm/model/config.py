@@ -6,6 +6,10 @@ minillm checkpoint loads in `transformers` and a `transformers` checkpoint loads
 
 from __future__ import annotations
 
+import json
+import math
+import numbers
+import pathlib
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +24,34 @@ MODEL_TYPES = {
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# config.json keys without which a decoder's shape is unknown
+REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+# the sizes ModelConfig holds, each an int >= 1
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+# sizes index int32 tensors in the kernels, and no model comes near this
+MAX_SIZE = 2**31 - 1
+LLAMA3_ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
+
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map "float32" | "bfloat16" | "float16" (or a torch dtype) to the torch dtype."""
@@ -27,18 +59,44 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; expected one of {sorted(DTYPES)}")
         return dtype
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
     return DTYPES[dtype]
 
 
-def as_id_list(value: int | list[int] | None) -> list[int]:
-    """A config's token id field, which may be absent, one id or a list, as a list."""
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
+def read_json(path: pathlib.Path) -> dict:
+    """A model directory's JSON file, which must hold an object (config.json and its kin).
+
+    Raises FileNotFoundError when it is missing, and one ValueError naming the file when it
+    is not UTF-8, not JSON, or not a JSON object.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"expected {path.name} in {path.parent}")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def is_int(value: object) -> bool:
+    """An integer, but not a bool (JSON's true is not a count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def as_id_list(value: object, name: str = "eos_token_id") -> list[int]:
+    """A config's token id field, which may be absent, one id or a list, as a list.
+
+    Raises ValueError (naming the field) for anything else, or for a negative id.
+    """
+    ids = [] if value is None else [value] if is_int(value) else value
+    if not isinstance(ids, list) or not all(is_int(v) and v >= 0 for v in ids):
+        raise ValueError(
+            f"{name} must be null, a token id (an int >= 0) or a list of them, got {value!r}"
+        )
+    return [int(v) for v in ids]
 
 
 @dataclass(slots=True)
@@ -68,6 +126,20 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}; "
                 f"expected one of {list(SUPPORTED_ARCHITECTURES)}"
             )
+        for name in SIZE_FIELDS:
+            value = getattr(self, name)
+            if not (is_int(value) and 1 <= value <= MAX_SIZE):
+                raise ValueError(f"{name} must be an int in [1, 2**31 - 1], got {value!r}")
+            setattr(self, name, int(value))
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not _is_positive_number(value):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+            setattr(self, name, float(value))
+        for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -75,11 +147,47 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        torch_dtype(self.torch_dtype)
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "llama3":
+        if not (isinstance(self.torch_dtype, str) and self.torch_dtype in DTYPES):
             raise ValueError(
-                f"unsupported rope_scaling {self.rope_scaling!r}; expected None or "
+                f"torch_dtype must be one of {sorted(DTYPES)}, got {self.torch_dtype!r}"
+            )
+        self._check_rope_scaling()
+        # token ids index the embedding and the logits: an id >= vocab_size fails there
+        if self.bos_token_id is not None and not (
+            is_int(self.bos_token_id) and 0 <= self.bos_token_id < self.vocab_size
+        ):
+            raise ValueError(
+                f"bos_token_id must be null or an int in [0, vocab_size={self.vocab_size}), "
+                f"got {self.bos_token_id!r}"
+            )
+        self.eos_token_ids = as_id_list(self.eos_token_ids)
+        out_of_vocab = [i for i in self.eos_token_ids if i >= self.vocab_size]
+        if out_of_vocab:
+            raise ValueError(
+                f"eos_token_id must be ids in [0, vocab_size={self.vocab_size}), got {out_of_vocab}"
+            )
+
+    def _check_rope_scaling(self) -> None:
+        """None, or llama3 scaling with its four numbers (rope.rope_inv_freq reads them)."""
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+            raise ValueError(
+                f"unsupported rope_scaling {scaling!r}; expected None or "
                 '{"rope_type": "llama3", ...}'
+            )
+        for key in LLAMA3_ROPE_KEYS:
+            value = scaling.get(key)
+            if not _is_positive_number(value):
+                raise ValueError(
+                    f"rope_scaling[{key!r}] must be a finite number > 0 for llama3 scaling, "
+                    f"got {value!r}"
+                )
+        if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+            raise ValueError(
+                "rope_scaling's high_freq_factor must be > its low_freq_factor, got "
+                f"{scaling['high_freq_factor']!r} and {scaling['low_freq_factor']!r}"
             )
 
     @property
@@ -92,12 +200,25 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> ModelConfig:
-        """Build from a parsed Hugging Face `config.json` (transformers 4.x or 5.x layout)."""
+    def from_hf_config(cls, cfg: dict, source: str | pathlib.Path = "config.json") -> ModelConfig:
+        """Build from a parsed Hugging Face `config.json` (transformers 4.x or 5.x layout).
+
+        Every problem raises one ValueError that starts with `source` (the file's path when
+        the loader reads one) and names the key.
+        """
+        try:
+            return cls._from_hf_config(cfg)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+
+    @classmethod
+    def _from_hf_config(cls, cfg: dict) -> ModelConfig:
+        if not isinstance(cfg, dict):
+            raise ValueError(f"expected a JSON object, got {type(cfg).__name__}")
         architectures = cfg.get("architectures") or []
-        if len(architectures) != 1:
+        if not isinstance(architectures, list) or len(architectures) != 1:
             raise ValueError(
-                f"config.json must name exactly one architecture in 'architectures', "
+                f"'architectures' must name exactly one architecture, "
                 f"got {architectures!r}; expected one of {list(SUPPORTED_ARCHITECTURES)}"
             )
         architecture = architectures[0]
@@ -108,14 +229,22 @@ class ModelConfig:
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; expected 'silu'")
-        if cfg.get("mlp_bias", False):
+        if cfg.get("mlp_bias", False) is not False:
             raise ValueError(
-                "mlp_bias=true is not supported; expected MLP projections without bias"
+                f"mlp_bias={cfg['mlp_bias']!r} is not supported; expected MLP projections "
+                "without bias"
             )
+        missing = [key for key in REQUIRED_KEYS if key not in cfg]
+        if missing:
+            raise ValueError(f"required keys are missing: {missing}")
 
         # transformers 5 folds rope_theta and rope_scaling into one rope_parameters dict.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+        rope = cfg.get(rope_key) or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"{rope_key} must be null or a JSON object, got {rope!r}")
+        rope = dict(rope)
+        rope_theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = None if rope_type == "default" else rope
         if rope_scaling is not None:
@@ -123,7 +252,13 @@ class ModelConfig:
             rope_scaling.pop("type", None)
 
         num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        head_dim = cfg.get("head_dim")
+        if head_dim is None:
+            hidden_size = cfg["hidden_size"]
+            for name, value in (("hidden_size", hidden_size), ("num_attention_heads", num_heads)):
+                if not (is_int(value) and 1 <= value <= MAX_SIZE):
+                    raise ValueError(f"{name} must be an int in [1, 2**31 - 1], got {value!r}")
+            head_dim = hidden_size // num_heads
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         return cls(
             architecture=architecture,
@@ -134,13 +269,13 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2's config has no attention_bias key: its q/k/v projections always have one.
-            attention_bias=bool(cfg.get("attention_bias", architecture == "Qwen2ForCausalLM")),
+            attention_bias=cfg.get("attention_bias", architecture == "Qwen2ForCausalLM"),
             qk_norm=architecture == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=as_id_list(cfg.get("eos_token_id")),
@@ -179,3 +314,13 @@ class ModelConfig:
         if self.architecture != "Qwen2ForCausalLM":
             cfg["attention_bias"] = self.attention_bias
         return cfg
+
+
+def _is_positive_number(value: object) -> bool:
+    """A real number (not a bool) > 0 that is finite as a float."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value)) and value > 0
+    except OverflowError:  # an int beyond float's range
+        return False

@@ -14,11 +14,12 @@ import pathlib
 import shutil
 from dataclasses import dataclass, field
 
+import safetensors
 import safetensors.torch
 import tokenizers
 import torch
 
-from minillm.model.config import ModelConfig, as_id_list, torch_dtype
+from minillm.model.config import ModelConfig, as_id_list, read_json, torch_dtype
 from minillm.model.llama import LlamaForCausalLM
 from minillm.model.tokenizer import Tokenizer
 
@@ -77,27 +78,48 @@ def resolve_model_path(model: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(snapshot)
 
 
-def read_json(path: pathlib.Path) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"expected {path.name} in {path.parent}")
-    return json.loads(path.read_text(encoding="utf-8"))
+def load_safetensors_file(file: pathlib.Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file, on the CPU; one ValueError naming it if corrupt."""
+    try:
+        return safetensors.torch.load_file(file)
+    except (safetensors.SafetensorError, OSError) as err:
+        raise ValueError(f"{file} is not a valid safetensors file: {err}") from None
 
 
 def load_safetensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
     """All tensors of `model.safetensors`, or of the shards its index lists, on the CPU."""
     if (path / SAFETENSORS_FILE).is_file():
-        return safetensors.torch.load_file(path / SAFETENSORS_FILE)
-    if not (path / SAFETENSORS_INDEX_FILE).is_file():
+        return load_safetensors_file(path / SAFETENSORS_FILE)
+    index_file = path / SAFETENSORS_INDEX_FILE
+    if not index_file.is_file():
         raise FileNotFoundError(
             f"expected {SAFETENSORS_FILE} or {SAFETENSORS_INDEX_FILE} with its shards in {path}"
         )
-    weight_map = read_json(path / SAFETENSORS_INDEX_FILE)["weight_map"]
+    weight_map = read_json(index_file).get("weight_map")
+    if not (
+        isinstance(weight_map, dict)
+        and weight_map
+        and all(isinstance(shard, str) for shard in weight_map.values())
+    ):
+        raise ValueError(
+            f"{index_file}: weight_map must be a non-empty object of tensor name -> shard file, "
+            f"got {weight_map!r:.200}"
+        )
     state: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
-        if not (path / shard).is_file():
+        shard_file = path / shard
+        if shard_file.parent != path:
+            raise ValueError(f"{index_file}: shard {shard!r} is not a file name in {path}")
+        if not shard_file.is_file():
             raise FileNotFoundError(f"shard {shard} listed in {SAFETENSORS_INDEX_FILE} is missing")
-        state.update(safetensors.torch.load_file(path / shard))
+        state.update(load_safetensors_file(shard_file))
     return state
+
+
+def weights_source(path: pathlib.Path) -> pathlib.Path:
+    """The file that names a directory's weights: model.safetensors, or the shards' index."""
+    single = path / SAFETENSORS_FILE
+    return single if single.is_file() else path / SAFETENSORS_INDEX_FILE
 
 
 def check_state_dict(
@@ -110,7 +132,7 @@ def check_state_dict(
     for name, shape in expected.items():  # in model order: the first mismatch a reader expects
         if name in state and tuple(state[name].shape) != shape:
             raise ValueError(
-                f"tensor {name} in {source} has shape {tuple(state[name].shape)}, "
+                f"{source}: tensor {name} has shape {tuple(state[name].shape)}, "
                 f"expected {shape} from config.json"
             )
     missing = sorted(set(expected) - set(state))
@@ -150,7 +172,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a model directory (or bundled/Hub name); dtype defaults to config's torch_dtype."""
     path = resolve_model_path(model)
-    config = ModelConfig.from_hf_config(read_json(path / "config.json"))
+    config_file = path / "config.json"
+    config = ModelConfig.from_hf_config(read_json(config_file), source=config_file)
     dtype = resolve_dtype(dtype, config.torch_dtype, torch.device(device))
     config.torch_dtype = str(dtype).removeprefix("torch.")
     state = load_safetensors(path)
@@ -162,7 +185,7 @@ def load_model(
     # Built without memory, then given the checkpoint's tensors: no random init to overwrite.
     with torch.device("meta"):
         lm = LlamaForCausalLM(config, attention_backend)
-    check_state_dict(lm, state, path)
+    check_state_dict(lm, state, weights_source(path))
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     lm.load_state_dict(state, strict=False, assign=True)  # check_state_dict did the checking
     if config.tie_word_embeddings:
@@ -170,17 +193,39 @@ def load_model(
     lm.eval()
 
     tokenizer = Tokenizer(path)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"{tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
+            f"vocab_size={config.vocab_size} of {config_file}: they are not from one model"
+        )
     generation_config_path = path / "generation_config.json"
     generation_config = (
         read_json(generation_config_path) if generation_config_path.is_file() else {}
     )
     # a generation stops at any of them: Qwen3 ends chat turns and documents differently
-    eos_token_ids = config.eos_token_ids + as_id_list(generation_config.get("eos_token_id"))
+    eos_token_ids = config.eos_token_ids + generation_eos_ids(
+        generation_config, generation_config_path, config.vocab_size
+    )
     eos_token_ids = list(dict.fromkeys(eos_token_ids))
     if not eos_token_ids and tokenizer.eos_token_id is not None:
         eos_token_ids = [tokenizer.eos_token_id]
     config.eos_token_ids = eos_token_ids
     return LoadedModel(lm, config, tokenizer, generation_config, path, list(eos_token_ids))
+
+
+def generation_eos_ids(generation_config: dict, source: pathlib.Path, vocab_size: int) -> list[int]:
+    """generation_config.json's eos_token_id as a list of ids < vocab_size."""
+    try:
+        ids = as_id_list(generation_config.get("eos_token_id"))
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from None
+    out_of_vocab = [i for i in ids if i >= vocab_size]
+    if out_of_vocab:
+        raise ValueError(
+            f"{source}: eos_token_id must be ids in [0, vocab_size={vocab_size}), "
+            f"got {out_of_vocab}"
+        )
+    return ids
 
 
 def save_pretrained(

@@ -7,22 +7,26 @@ generated ids into text without ever emitting half of a multi-byte character.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 
 import tokenizers
+
+from minillm.model.config import read_json
 
 # Prompt tokens decoded with the first output tokens, so that decoders which treat the
 # start of a text specially (a leading-space marker, for one) see the same context.
 INITIAL_PREFIX_TOKENS = 5
 
 
-def _token_content(value: str | dict | None) -> str | None:
-    """A special token in tokenizer_config.json: "<s>" or {"content": "<s>", ...}."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
+def _token_content(value: object, key: str, source: pathlib.Path) -> str | None:
+    """A special token in tokenizer_config.json: "<s>" or {"content": "<s>", ...}, or null."""
+    content = value.get("content") if isinstance(value, dict) else value
+    if content is not None and not isinstance(content, str):
+        raise ValueError(
+            f'{source}: {key} must be null, a string or {{"content": string}}, got {value!r}'
+        )
+    return content
 
 
 class Tokenizer:
@@ -35,28 +39,50 @@ class Tokenizer:
         if not file.is_file():
             raise FileNotFoundError(f"expected a tokenizer.json file at {file}")
         self.path = file
-        self.backend = tokenizers.Tokenizer.from_file(str(file))
-        special: dict = {}
+        try:
+            self.backend = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as err:  # the tokenizers library raises a bare Exception
+            message = str(err).strip().replace("\n", " ")
+            raise ValueError(f"{file} is not a valid tokenizer.json: {message}") from None
+        special: dict[str, tuple[object, pathlib.Path]] = {}  # key -> (value, file naming it)
         # special_tokens_map.json first, so tokenizer_config.json wins where both name a token
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
             extra = file.parent / name
             if extra.is_file():
-                special.update(json.loads(extra.read_text(encoding="utf-8")))
+                special.update((key, (value, extra)) for key, value in read_json(extra).items())
         self.bos_token_id = self._special_id(special, "bos_token")
         self.eos_token_id = self._special_id(special, "eos_token")
         self.pad_token_id = self._special_id(special, "pad_token")
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
 
-    def _special_id(self, special: dict, key: str) -> int | None:
-        token = _token_content(special.get(key))
+    def _special_id(self, special: dict[str, tuple[object, pathlib.Path]], key: str) -> int | None:
+        if key not in special:
+            return None
+        value, source = special[key]
+        token = _token_content(value, key, source)
         if token is None:
             return None
         token_id = self.backend.token_to_id(token)
         if token_id is None:
-            raise ValueError(f"{key} {token!r} from the tokenizer config is not in {self.path}")
+            raise ValueError(f"{source}: {key} {token!r} is not a token of {self.path}")
         return token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """text -> token ids. Raises ValueError for a non-str, or a str that is not valid
+        Unicode (a lone surrogate such as "\\ud800", which no UTF-8 text can hold)."""
+        if not isinstance(text, str):
+            raise ValueError(f"the prompt must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            bad = text[err.start]
+            why = "half of a UTF-16 pair"
+            if 0xDC80 <= ord(bad) <= 0xDCFF:  # how Python's "surrogateescape" keeps a bad byte
+                why = f"the byte {ord(bad) - 0xDC00:#04x} of text that was not UTF-8"
+            raise ValueError(
+                f"the prompt is not valid Unicode: {bad!r} at index {err.start} is a lone "
+                f"surrogate ({why}), which no UTF-8 text can hold"
+            ) from None
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

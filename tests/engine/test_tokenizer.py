@@ -116,3 +116,79 @@ def test_arbitrary_ids_hold_back_only_an_unfinished_tail(
     rest = full[len(tokenizer.decode(prompt_ids, skip_special_tokens)) :]
     assert rest.startswith(detok.text)
     assert rest == detok.text or rest.endswith("\ufffd")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("abc\ud800", r"'\\ud800' at index 3 is a lone surrogate \(half of a UTF-16 pair\)"),
+        ("\udfffx", r"'\\udfff' at index 0 is a lone surrogate"),
+        # how Python reads the byte 0xff of a command line that is not UTF-8
+        (b"ab\xff".decode("utf-8", "surrogateescape"), r"the byte 0xff of text that was not"),
+    ],
+)
+def test_a_lone_surrogate_is_a_value_error(tokenizer, text, message):
+    with pytest.raises(ValueError, match="^the prompt is not valid Unicode: .*" + message):
+        tokenizer.encode(text)
+
+
+@given(st.text(), st.integers(0, 20), st.integers(0xD800, 0xDFFF))
+def test_any_text_with_a_lone_surrogate_is_refused(tokenizer, text, at, surrogate):
+    at = min(at, len(text))
+    bad = text[:at] + chr(surrogate) + text[at:]
+    with pytest.raises(ValueError, match=f"at index {at} is a lone surrogate"):
+        tokenizer.encode(bad)
+
+
+@pytest.mark.parametrize("value", [b"abc", None, 5, ["a"]])
+def test_a_prompt_that_is_not_a_str_is_a_value_error(tokenizer, value):
+    with pytest.raises(ValueError, match=f"^the prompt must be a str, got {type(value).__name__}$"):
+        tokenizer.encode(value)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "is not a valid tokenizer.json: EOF while parsing"),
+        (b'{"version": "1.0", "model": ', "is not a valid tokenizer.json: EOF while parsing"),
+        (b'{"a": 1}', "is not a valid tokenizer.json: "),
+        (b"\xff\xfe garbage", "is not a valid tokenizer.json: "),
+    ],
+)
+def test_a_corrupt_tokenizer_json_is_one_value_error_naming_it(tmp_path, content, message):
+    (tmp_path / "tokenizer.json").write_bytes(content)
+    with pytest.raises(ValueError) as error:
+        Tokenizer(tmp_path)
+    assert type(error.value) is ValueError
+    assert str(error.value).startswith(str(tmp_path / "tokenizer.json") + " " + message)
+    assert "\n" not in str(error.value)
+    assert error.value.__cause__ is None and error.value.__suppress_context__
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "special_tokens_map.json"])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"eos_token": "</s>"', " is not valid JSON: Expecting"),
+        ('["</s>"]', " must hold a JSON object, got list"),
+        ('{"eos_token": 5}', ': eos_token must be null, a string or {"content": string}, got 5'),
+        ('{"bos_token": {"content": 1}}', ": bos_token must be null, a string or"),
+    ],
+)
+def test_a_corrupt_special_tokens_file_is_one_value_error_naming_it(
+    tokenizer_dir, tmp_path, name, content, message
+):
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError) as error:
+        Tokenizer(tmp_path)
+    assert str(error.value).startswith(f"{tmp_path / name}{message}")
+
+
+def test_tokenizer_config_wins_over_special_tokens_map(tokenizer_dir, tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    # a map naming a token the vocabulary lacks is fine when the config overrides it
+    (tmp_path / "special_tokens_map.json").write_text('{"eos_token": "<eos>", "pad_token": "<s>"}')
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    tok = Tokenizer(tmp_path)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (None, 1, 0)
