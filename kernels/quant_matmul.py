@@ -23,10 +23,17 @@ memory bandwidth, and moving 4x fewer bytes than bfloat16 is the whole point of 
 Tiling: one program per [BLOCK_M, BLOCK_N] output tile walks K in BLOCK_K steps (W4:
 BLOCK_K = group_size), accumulating in float32. At decode-sized M there are too few output
 tiles to keep every SM streaming weights, so K is split among SPLIT_K programs per tile
-(split-K) whose float32 partial sums are added afterwards, in a fixed order. For W4 the
-packed tile [BLOCK_K / 2, BLOCK_N] is unpacked into its low nibbles (even k) and high
-nibbles (odd k), each dotted with the matching even or odd columns of x. Under the
-interpreter the dots are float32.
+(split-K); one small kernel then adds their float32 partial sums in a fixed order and
+rounds once to x's dtype. Under the interpreter the dots are float32.
+
+W4A16's loads are laid out for the memory system. A program reads, per group, x's
+[BLOCK_M, group_size] tile and the packed weights' [BLOCK_N, group_size / 2] tile, both
+contiguous along K, so the compiler issues 16-byte loads and pipelines them through shared
+memory (cp.async); the nibbles are put back in k order in registers (`tl.interleave`), and
+one dot per group follows. Scales are stored [K / group_size, N], so a group's scales for
+BLOCK_N columns are one contiguous read. At M <= GEMV_MAX_M rows a tensor-core tile would
+be mostly padding: a GEMV kernel multiplies each unpacked weight tile with the few rows of
+x on the CUDA cores instead, and sums along K.
 
 Cost per call: FLOPs quant_matmul_flops() = 2 M N K; bytes moved quant_matmul_bytes():
 x read and y written, (M K + M N) * itemsize, plus the quantized weights (N K or N K / 2
@@ -35,6 +42,8 @@ written and read, are not counted: they are not part of the problem).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -57,6 +66,10 @@ MAX_SPLIT_K = 16
 # a split-K share shorter than this costs more in partial sums than it gains (interpreter:
 # 1, so that small test shapes split too)
 MIN_K_STEPS_PER_SPLIT = 1 if INTERPRETED else 4
+W8_BLOCK_K = 64 if INTERPRETED else 128
+# W4A16 at M <= GEMV_MAX_M rows runs the GEMV kernel (no tensor cores, no padding to 16 rows)
+GEMV_MAX_M = 4
+SUM_BLOCK = 1024  # elements per program of the split-K sum
 
 
 # --- quantization and packing (plain PyTorch, run once per weight) ---
@@ -75,7 +88,9 @@ def quantize_w4(
     weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """weight: [N, K] float, K a multiple of group_size -> (packed [N, K / 2] uint8,
-    scales [N, K / group_size] in weight's dtype)."""
+    scales [K / group_size, N] in weight's dtype). The scales are stored group-major, as
+    GPTQ and AWQ checkpoints store them, so that one group's scales for a run of output
+    columns are contiguous in memory."""
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"weight's K ({k}) must be a multiple of group_size ({group_size})")
@@ -83,7 +98,7 @@ def quantize_w4(
     scales = (groups.abs().amax(dim=2) / W4_MAX).to(weight.dtype)
     divisor = torch.where(scales == 0, 1.0, scales.float())
     q = (groups / divisor[..., None]).round().clamp(W4_MIN, W4_MAX).to(torch.int8)
-    return pack_int4(q.view(n, k)), scales
+    return pack_int4(q.view(n, k)), scales.T.contiguous()
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -110,9 +125,9 @@ def dequantize_w8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_w4(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[N, K / 2] uint8, [N, K / group_size] -> [N, K] float32."""
+    """[N, K / 2] uint8, [K / group_size, N] -> [N, K] float32."""
     q = unpack_int4(packed).float()
-    return q * scales.float().repeat_interleave(group_size, dim=1)
+    return q * scales.float().T.repeat_interleave(group_size, dim=1)
 
 
 # --- the kernels ---
@@ -170,6 +185,15 @@ def _w8a16_kernel(
 
 
 @triton.jit
+def _unpack_int4_tile(packed, dtype: tl.constexpr):
+    """[R, C] packed bytes -> [R, 2C] int4 values in dtype (exact), in k order: each byte's
+    low nibble (even k) followed by its high nibble (odd k), both minus the bias 8."""
+    low = (packed & 0xF).to(tl.float32) - 8.0
+    high = (packed >> 4).to(tl.float32) - 8.0
+    return tl.interleave(low, high).to(dtype)
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr,
     packed_ptr,
@@ -188,32 +212,30 @@ def _w4a16_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
     row_mask, col_mask = rows < M, cols < N
-    pairs = tl.arange(0, GROUP_SIZE // 2)  # byte i of a group: k = 2i (low), 2i + 1 (high)
+    ks = tl.arange(0, GROUP_SIZE)
+    pairs = tl.arange(0, GROUP_SIZE // 2)  # a group's bytes
     num_groups = K // GROUP_SIZE
     # split-K: this program sums one contiguous share of the groups
     groups_per_split = tl.cdiv(num_groups, SPLIT_K)
     group_begin = split * groups_per_split
     group_end = tl.minimum(num_groups, group_begin + groups_per_split)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
+    # a packed row is K / 2 bytes, a multiple of 16 (K is a multiple of GROUP_SIZE >= 32):
+    # said here, the compiler loads 16 bytes at a time and pipelines the loads
+    w_rows = packed_ptr + cols.to(tl.int64)[:, None] * tl.multiple_of(K // 2, 16)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for group in range(group_begin, group_end):
-        k_even = group * GROUP_SIZE + 2 * pairs
-        x_mask = row_mask[:, None]
-        x_even = tl.load(x_rows + k_even[None, :], mask=x_mask, other=0.0)
-        x_odd = tl.load(x_rows + k_even[None, :] + 1, mask=x_mask, other=0.0)
-        if DOT_FP32:
-            x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
-        packed = tl.load(  # [GROUP_SIZE / 2, BLOCK_N] uint8
-            packed_ptr + cols.to(tl.int64)[None, :] * (K // 2) + (k_even // 2)[:, None],
-            mask=col_mask[None, :],
-            other=0,
+        # contiguous loads: x's [BLOCK_M, GROUP_SIZE] tile, the weights' [BLOCK_N, GROUP_SIZE / 2]
+        x = tl.load(x_rows + group * GROUP_SIZE + ks[None, :], mask=row_mask[:, None], other=0.0)
+        packed = tl.load(
+            w_rows + group * (GROUP_SIZE // 2) + pairs[None, :], mask=col_mask[:, None], other=0
         )
-        # the nibbles back to [-8, 7], in x's dtype (exact)
-        w_even = ((packed & 0xF).to(tl.float32) - 8.0).to(x_even.dtype)
-        w_odd = ((packed >> 4).to(tl.float32) - 8.0).to(x_even.dtype)
-        part = tl.dot(x_even, w_even, input_precision="ieee")
-        part = tl.dot(x_odd, w_odd, part, input_precision="ieee")
-        scales = tl.load(scales_ptr + cols * num_groups + group, mask=col_mask, other=0.0)
+        if DOT_FP32:
+            x = x.to(tl.float32)
+        w = _unpack_int4_tile(packed, x.dtype)  # [BLOCK_N, GROUP_SIZE], back in k order
+        part = tl.dot(x, tl.trans(w), input_precision="ieee")
+        # scales are [K / GROUP_SIZE, N]: a group's BLOCK_N scales are contiguous
+        scales = tl.load(scales_ptr + group * N + cols, mask=col_mask, other=0.0)
         acc += part * scales.to(tl.float32)[None, :]
     # with SPLIT_K > 1, out is the float32 [SPLIT_K, M, N] buffer of partial sums
     tl.store(
@@ -223,6 +245,74 @@ def _w4a16_kernel(
     )
 
 
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr,
+    packed_ptr,
+    scales_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    SPLIT_K: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """M <= BLOCK_M <= 4 rows: a matrix-vector product per row, on the CUDA cores. A tensor
+    core instruction would pad the rows to 16; here each weight tile, once unpacked, is
+    multiplied with every row of x and summed along K."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    col_mask = cols < N
+    ks = tl.arange(0, GROUP_SIZE)
+    pairs = tl.arange(0, GROUP_SIZE // 2)
+    num_groups = K // GROUP_SIZE
+    groups_per_split = tl.cdiv(num_groups, SPLIT_K)
+    group_begin = split * groups_per_split
+    group_end = tl.minimum(num_groups, group_begin + groups_per_split)
+    w_rows = packed_ptr + cols.to(tl.int64)[:, None] * tl.multiple_of(K // 2, 16)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # (clamped group indices: always in bounds, no scalar masks)
+    scales = tl.load(scales_ptr + tl.minimum(group_begin, num_groups - 1) * N + cols, mask=col_mask)
+    # the loop's loads carry no tl.dot, so the pipeline depth is asked for explicitly
+    for group in tl.range(group_begin, group_end, num_stages=NUM_STAGES):
+        # the next group's scales now: their load overlaps this group's work
+        next_group = tl.minimum(group + 1, group_end - 1)
+        next_scales = tl.load(scales_ptr + next_group * N + cols, mask=col_mask)
+        packed = tl.load(
+            w_rows + group * (GROUP_SIZE // 2) + pairs[None, :], mask=col_mask[:, None], other=0
+        )
+        w = _unpack_int4_tile(packed, tl.float32)  # [BLOCK_N, GROUP_SIZE]
+        for r in tl.static_range(BLOCK_M):
+            # rows past M re-read row M - 1; their sums are never stored
+            x = tl.load(x_ptr + tl.minimum(r, M - 1) * K + group * GROUP_SIZE + ks)
+            part = tl.sum(w * x.to(tl.float32)[None, :], axis=1) * scales.to(tl.float32)
+            acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
+        scales = next_scales
+    tl.store(
+        out_ptr + (split * M + rows).to(tl.int64)[:, None] * N + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(rows < M)[:, None] & col_mask[None, :],
+    )
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum over the SPLIT_K float32 partial results [SPLIT_K, numel], added in split
+    order (deterministic) and rounded once to out's dtype."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    partial = partial_ptr + offsets
+    total = tl.zeros([BLOCK], tl.float32)
+    for _ in tl.static_range(SPLIT_K):
+        total += tl.load(partial, mask=mask, other=0.0)
+        partial += numel
+    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _check_matmul_inputs(
     x: torch.Tensor,
     weight_name: str,
@@ -230,14 +320,14 @@ def _check_matmul_inputs(
     weight_dtype: torch.dtype,
     weight_columns: int,
     scales: torch.Tensor,
-    scales_columns: int | None,
+    scales_rows: int | None,
 ) -> None:
-    """x: [M, K]; weight: [N, weight_columns] of weight_dtype; scales: [N] (scales_columns
-    None) or [N, scales_columns] in x's dtype; all contiguous, on x's device."""
+    """x: [M, K]; weight: [N, weight_columns] of weight_dtype; scales: [N] (scales_rows
+    None) or [scales_rows, N] in x's dtype; all contiguous, on x's device."""
     check_dtype(weight_name, weight, (weight_dtype,))
     check_shape(weight_name, weight, (None, weight_columns))
     n = weight.shape[0]
-    check_shape("scales", scales, (n,) if scales_columns is None else (n, scales_columns))
+    check_shape("scales", scales, (n,) if scales_rows is None else (scales_rows, n))
     check_dtype("scales", scales, (x.dtype,))
     for name, t in (("x", x), (weight_name, weight), ("scales", scales)):
         check_same_device(name, t, x)
@@ -251,12 +341,26 @@ def _check_activations(x: torch.Tensor) -> None:
         raise ValueError(f"x must have shape [M, K], got {list(x.shape)}")
 
 
-def _launch_config(
+@dataclass(frozen=True, slots=True)
+class MatmulPlan:
+    """How one quantized matmul runs: which kernel, its tiles, warps, pipeline depth, and
+    how many programs share each output tile's K sum (split_k)."""
+
+    kernel: str  # "w8a16", "w4a16" (tensor cores) or "w4a16_gemv" (M <= GEMV_MAX_M)
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int
+
+
+def _tile_config(
     m: int, block_k: int, itemsize: int, weight_bits: int, device: torch.device
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): thin tiles for decode-sized M, where the
-    weights dominate and many programs must stream them; square ones for prefill; as many
-    pipeline stages as shared memory holds."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the tensor-core kernels: thin tiles for
+    decode-sized M, where the weights dominate and many programs must stream them; square
+    ones for prefill; as many pipeline stages as shared memory holds."""
     if INTERPRETED:
         return 16, 32, 4, 1
     if m <= 16:
@@ -274,6 +378,15 @@ def _launch_config(
     return 32, 32, 4, 1
 
 
+def _gemv_config(group_size: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the W4A16 GEMV: 64 weight rows per program, each
+    giving group_size / 2 contiguous bytes per step, pipelined up to 4 groups deep."""
+    if INTERPRETED:
+        return 32, 4, 1
+    block_n = 64
+    return block_n, 4, max(1, fit_num_stages(0, block_n * group_size // 2, 4, device))
+
+
 def choose_split_k(num_tiles: int, num_k_steps: int, num_sms: int) -> int:
     """How many programs share one output tile's K sum. At decode-sized M the output tiles
     alone leave SMs idle and too few bytes in flight: split K until there are about 2
@@ -284,34 +397,70 @@ def choose_split_k(num_tiles: int, num_k_steps: int, num_sms: int) -> int:
     return max(1, min(wanted, most, MAX_SPLIT_K))
 
 
-def _launch(kernel, x, weight, scales, n: int, block_k: int, weight_bits: int, **constexprs):
-    """Pick tiles and split-K, launch, and add up the split-K partial sums."""
+def plan_quant_matmul(
+    m: int,
+    n: int,
+    k: int,
+    itemsize: int,
+    weight_bits: int,
+    group_size: int | None,
+    device: torch.device,
+) -> MatmulPlan:
+    """The plan `w8a16_matmul` (weight_bits 8, group_size None) or `w4a16_matmul`
+    (weight_bits 4) follows for x: [m, k] of itemsize bytes and n output columns. Host ints
+    only, so that a CUDA graph can replay it."""
+    if weight_bits == 4 and m <= GEMV_MAX_M:
+        block_n, num_warps, num_stages = _gemv_config(group_size, device)
+        block_m = triton.next_power_of_2(max(m, 1))
+        num_tiles, block_k = triton.cdiv(n, block_n), group_size
+        kernel = "w4a16_gemv"
+    else:
+        block_k = group_size if weight_bits == 4 else W8_BLOCK_K
+        block_m, block_n, num_warps, num_stages = _tile_config(
+            m, block_k, itemsize, weight_bits, device
+        )
+        num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        kernel = f"w{weight_bits}a16"
+    split_k = choose_split_k(num_tiles, triton.cdiv(k, block_k), sm_count(device))
+    return MatmulPlan(kernel, block_m, block_n, block_k, num_warps, num_stages, split_k)
+
+
+def _launch(x, weight, scales, n: int, weight_bits: int, group_size: int | None):
+    """Follow the plan: launch, then add up the split-K partial sums."""
     m, k = x.shape
-    block_m, block_n, num_warps, num_stages = _launch_config(
-        m, block_k, x.element_size(), weight_bits, x.device
-    )
-    grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
-    split_k = choose_split_k(grid_m * grid_n, triton.cdiv(k, block_k), sm_count(x.device))
+    plan = plan_quant_matmul(m, n, k, x.element_size(), weight_bits, group_size, x.device)
     # partial sums in float32, added in a fixed order afterwards: deterministic, no atomics
-    out_dtype = x.dtype if split_k == 1 else torch.float32
-    out = torch.empty(split_k, m, n, dtype=out_dtype, device=x.device)
-    kernel[(grid_m, grid_n, split_k)](
-        x,
-        weight,
-        scales,
-        out,
-        m,
-        n,
-        k,
-        SPLIT_K=split_k,
-        DOT_FP32=INTERPRETED or x.dtype == torch.float32,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **constexprs,
+    split_k = plan.split_k
+    out = torch.empty(
+        split_k, m, n, dtype=x.dtype if split_k == 1 else torch.float32, device=x.device
     )
-    return out[0] if split_k == 1 else out.sum(dim=0).to(x.dtype)
+    args = (x, weight, scales, out, m, n, k)
+    launch = dict(num_warps=plan.num_warps, num_stages=plan.num_stages, SPLIT_K=split_k)
+    if plan.kernel == "w4a16_gemv":
+        grid = (triton.cdiv(n, plan.block_n), split_k)
+        _w4a16_gemv_kernel[grid](
+            *args,
+            GROUP_SIZE=group_size,
+            BLOCK_M=plan.block_m,
+            BLOCK_N=plan.block_n,
+            NUM_STAGES=plan.num_stages,
+            **launch,
+        )
+    else:
+        grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), split_k)
+        tiles = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n)
+        dot_fp32 = INTERPRETED or x.dtype == torch.float32
+        if weight_bits == 8:
+            _w8a16_kernel[grid](*args, DOT_FP32=dot_fp32, BLOCK_K=plan.block_k, **tiles, **launch)
+        else:
+            _w4a16_kernel[grid](*args, DOT_FP32=dot_fp32, GROUP_SIZE=group_size, **tiles, **launch)
+    if split_k == 1:
+        return out[0]
+    result = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+        out, result, m * n, SPLIT_K=split_k, BLOCK=SUM_BLOCK, num_warps=4
+    )
+    return result
 
 
 def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -323,8 +472,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -
     n = qweight.shape[0]
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=x.dtype, device=x.device)
-    block_k = 64 if INTERPRETED else 128
-    return _launch(_w8a16_kernel, x, qweight, scales, n, block_k, 8, BLOCK_K=block_k)
+    return _launch(x, qweight, scales, n, 8, None)
 
 
 def w4a16_matmul(
@@ -334,7 +482,7 @@ def w4a16_matmul(
     group_size: int = DEFAULT_GROUP_SIZE,
 ) -> torch.Tensor:
     """x: [M, K] float16/bfloat16 (float32 for testing); packed: [N, K / 2] uint8 from
-    `quantize_w4`; scales: [N, K / group_size] in x's dtype; group_size: a power of two,
+    `quantize_w4`; scales: [K / group_size, N] in x's dtype; group_size: a power of two,
     32 to 256 -> [M, N] in x's dtype."""
     _check_activations(x)
     m, k = x.shape
@@ -346,7 +494,7 @@ def w4a16_matmul(
     n = packed.shape[0]
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=x.dtype, device=x.device)
-    return _launch(_w4a16_kernel, x, packed, scales, n, group_size, 4, GROUP_SIZE=group_size)
+    return _launch(x, packed, scales, n, 4, group_size)
 
 
 def w8a16_matmul_reference(

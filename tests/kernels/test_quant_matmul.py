@@ -11,6 +11,7 @@ from kernels.quant_matmul import (
     dequantize_w4,
     dequantize_w8,
     pack_int4,
+    plan_quant_matmul,
     quant_matmul_bytes,
     quant_matmul_flops,
     quantize_w4,
@@ -92,23 +93,46 @@ def test_quantization_error_is_at_most_half_a_step(n, seed):
     step = scales[:, None]
     assert ((dequantize_w8(qweight, scales) - weight).abs() <= step / 2 * (1 + 1e-6)).all()
     packed, scales = quantize_w4(weight, 128)
-    step = scales.repeat_interleave(128, dim=1)
+    assert scales.shape == (2, n)  # [K / group_size, N]: group-major
+    step = scales.T.repeat_interleave(128, dim=1)
     assert ((dequantize_w4(packed, scales, 128) - weight).abs() <= step / 2 * (1 + 1e-6)).all()
     assert torch.equal(dequantize_w4(packed, scales, 128)[0, :128], torch.zeros(128))
 
 
-def test_split_k_sums_to_the_unsplit_result(monkeypatch):
+@pytest.mark.parametrize("m", [2, 8])  # the W4A16 GEMV (m <= 4) and tensor-core kernels
+def test_split_k_sums_to_the_unsplit_result(monkeypatch, m):
     from kernels import quant_matmul
 
-    x = torch.randn(2, 256, device=DEVICE)
-    packed, scales = quantize_w4(torch.randn(24, 256) * 0.05, 64)
-    qweight, scales8 = quantize_w8(torch.randn(24, 256) * 0.05)
+    monkeypatch.setattr(quant_matmul, "MIN_K_STEPS_PER_SPLIT", 1)  # split on a GPU too
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 512, generator=gen).to(DEVICE)
+    packed, scales = quantize_w4(torch.randn(24, 512, generator=gen) * 0.05, 64)
+    qweight, scales8 = quantize_w8(torch.randn(24, 512, generator=gen) * 0.05)
     packed, scales, qweight, scales8 = (t.to(DEVICE) for t in (packed, scales, qweight, scales8))
-    # one 32-column tile on a notional 4-SM device: K is split (interpreter) ...
+    device = torch.device(DEVICE)
+    # one output tile, few SMs' worth of programs: K is split ...
+    plans = [
+        plan_quant_matmul(m, 24, 512, 4, 4, 64, device),
+        plan_quant_matmul(m, 24, 512, 4, 8, None, device),
+    ]
+    assert plans[0].kernel == ("w4a16_gemv" if m <= 4 else "w4a16")
+    assert all(plan.split_k > 1 for plan in plans), plans
     split4, split8 = w4a16_matmul(x, packed, scales, 64), w8a16_matmul(x, qweight, scales8)
     monkeypatch.setattr(quant_matmul, "MAX_SPLIT_K", 1)  # ... or not
+    assert plan_quant_matmul(m, 24, 512, 4, 4, 64, device).split_k == 1
     torch.testing.assert_close(split4, w4a16_matmul(x, packed, scales, 64), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(split8, w8a16_matmul(x, qweight, scales8), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split4, w4a16_matmul_reference(x, packed, scales, 64))
+
+
+def test_plan_picks_the_gemv_for_a_few_rows():
+    cpu = torch.device("cpu")
+    for m, kernel, block_m in [(1, "w4a16_gemv", 1), (3, "w4a16_gemv", 4), (4, "w4a16_gemv", 4)]:
+        plan = plan_quant_matmul(m, 4096, 4096, 2, 4, 128, cpu)
+        assert (plan.kernel, plan.block_m) == (kernel, block_m)
+    assert plan_quant_matmul(5, 4096, 4096, 2, 4, 128, cpu).kernel == "w4a16"
+    # W8A16 has no GEMV path
+    assert plan_quant_matmul(1, 4096, 4096, 2, 8, None, cpu).kernel == "w8a16"
 
 
 def test_choose_split_k():
@@ -156,7 +180,8 @@ def quantized(kind):
         ("w8", "scales", lambda t: t.to("meta"), "scales must be on"),
         ("w4", "packed", lambda t: t.to(torch.int8), "packed must be uint8"),
         ("w4", "packed", lambda t: t[:, :16], r"packed must have shape \[\*, 32\]"),
-        ("w4", "scales", lambda t: t[:, :1], r"scales must have shape \[16, 2\]"),
+        ("w4", "scales", lambda t: t[:1], r"scales must have shape \[2, 16\]"),
+        ("w4", "scales", lambda t: t.T.contiguous(), r"scales must have shape \[2, 16\]"),
         ("w4", "group_size", lambda g: 48, "group_size must be 32, 64, 128 or 256"),
         ("w4", "group_size", lambda g: 128, r"x's K \(64\) must be a multiple of group_size"),
     ],
@@ -193,3 +218,26 @@ def test_quant_matmul_at_real_sizes(dtype, m):
     packed, scales = quantize_w4(weight)
     out = w4a16_matmul(x, packed, scales)
     assert_matmul_close(out, w4a16_matmul_reference(x, packed, scales, 128), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4096, 4096), (3, 4096, 14336), (16, 4096, 4096)])
+def test_split_k_at_decode_sizes(m, n, k, group_size):
+    """Decode-sized M on a real GPU: the plans split K (the GEMV at m <= 4), and the fused
+    sum of the partial results matches the oracle."""
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=gen)
+    weight = torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * 0.02
+    plan4 = plan_quant_matmul(m, n, k, 2, 4, group_size, x.device)
+    plan8 = plan_quant_matmul(m, n, k, 2, 8, None, x.device)
+    assert plan4.kernel == ("w4a16_gemv" if m <= 4 else "w4a16")
+    assert plan4.split_k > 1 and plan8.split_k > 1, (plan4, plan8)
+    packed, scales = quantize_w4(weight, group_size)
+    out = w4a16_matmul(x, packed, scales, group_size)
+    assert_matmul_close(out, w4a16_matmul_reference(x, packed, scales, group_size), dtype)
+    qweight, scales8 = quantize_w8(weight)
+    assert_matmul_close(
+        w8a16_matmul(x, qweight, scales8), w8a16_matmul_reference(x, qweight, scales8), dtype
+    )
