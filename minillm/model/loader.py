@@ -44,6 +44,11 @@ class LoadedModel:
 
 def resolve_model_path(model: str | os.PathLike) -> pathlib.Path:
     """A local directory, else a bundled model's name, else a Hugging Face Hub repo id."""
+    if not isinstance(model, str | os.PathLike) or not str(model).strip():
+        raise ValueError(
+            "model must be a model directory, a bundled model's name or a Hugging Face Hub "
+            f"repo id, got {model!r}"
+        )
     path = pathlib.Path(model).expanduser()
     if path.is_dir():
         return path
@@ -143,6 +148,36 @@ def check_state_dict(
         raise ValueError(f"{source} has tensors this architecture does not use: {unexpected}")
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device named by `device` ("cpu", "cuda", "cuda:1" ...), checked to exist."""
+    try:
+        result = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}"
+        ) from None
+    if result.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {device!r} asked for, but this torch sees no CUDA GPU "
+                f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use device='cpu'"
+            )
+        if result.index is not None and result.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {device!r} asked for, but only {torch.cuda.device_count()} "
+                "CUDA GPU(s) are visible"
+            )
+    elif result.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {device!r} asked for, but this torch has no MPS device")
+    elif result.type not in ("cpu", "meta"):
+        raise ValueError(
+            f"device must be 'cpu', a CUDA device such as 'cuda' or 'cuda:1', or 'mps', "
+            f"got {device!r}"
+        )
+    return result
+
+
 def resolve_dtype(
     requested: str | torch.dtype | None, checkpoint_dtype: str, device: torch.device
 ) -> torch.dtype:
@@ -171,10 +206,11 @@ def load_model(
     attention_backend: str = "torch",
 ) -> LoadedModel:
     """Load a model directory (or bundled/Hub name); dtype defaults to config's torch_dtype."""
+    device = resolve_device(device)
     path = resolve_model_path(model)
     config_file = path / "config.json"
     config = ModelConfig.from_hf_config(read_json(config_file), source=config_file)
-    dtype = resolve_dtype(dtype, config.torch_dtype, torch.device(device))
+    dtype = resolve_dtype(dtype, config.torch_dtype, device)
     config.torch_dtype = str(dtype).removeprefix("torch.")
     state = load_safetensors(path)
     if config.tie_word_embeddings:

@@ -224,3 +224,43 @@ def test_resolve_dtype_falls_back_to_float16_without_bfloat16(monkeypatch):
     assert resolve_dtype(None, "float32", cuda) == torch.float32
     with pytest.raises(ValueError, match="Tesla T4 has no bfloat16 support"):
         resolve_dtype("bfloat16", "float32", cuda)
+
+
+@pytest.mark.parametrize("model", ["", "   ", None, 5, ["dir"]])
+def test_a_model_that_names_nothing_is_a_value_error(model):
+    with pytest.raises(ValueError, match=r"^model must be a model directory, a bundled model's"):
+        load_model(model)
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        (
+            "bogus",
+            r"^device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got 'bogus'$",
+        ),
+        (None, r"^device must be a torch device such as .* got None$"),
+        ("xpu", r"^device must be 'cpu', a CUDA device such as 'cuda' or 'cuda:1', or 'mps'"),
+    ],
+)
+def test_a_device_torch_cannot_name_is_a_value_error(device, message):
+    from minillm.model.loader import resolve_device
+
+    with pytest.raises(ValueError, match=message):
+        resolve_device(device)
+    with pytest.raises(ValueError, match=message):
+        load_model(DEFAULT_MODEL, device=device)
+
+
+def test_a_cuda_device_without_cuda_is_a_value_error(monkeypatch):
+    from minillm.model.loader import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^device 'cuda' asked for, but this torch sees no CUDA"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"^device 'cuda:2' asked for, but only 2 CUDA GPU"):
+        resolve_device("cuda:2")
+    assert resolve_device("cpu") == torch.device("cpu")
