@@ -16,4 +16,4 @@ def model() -> LlamaForCausalLM:
 
 @pytest.fixture
 def calibration() -> torch.Tensor:
-    return torch.randint(0, 128, (6, 32), generator=torch.Generator().manual_seed(1))
+    return torch.randint(0, 128, (32, 32), generator=torch.Generator().manual_seed(1))
