@@ -8,10 +8,19 @@ student's copy in `exercises/`:
   markers included) becomes `# YOUR CODE HERE` and a `raise NotImplementedError(...)`
   line, at the indentation of the BEGIN line;
 - outputs and execution counts are cleared;
-- metadata is normalized: the notebook keeps a python3 kernelspec and
-  `language_info.name`, a cell keeps only `tags`, `editable` and `deletable`; cell ids
-  are `cell-0`, `cell-1`, ...; the JSON is nbformat 4.5 as `nbformat.writes` formats it,
-  so releasing twice gives identical bytes.
+- cell ids are the solution's. Those of the exercises derive from their names (see
+  `minillm.course.exercise_model`): the answer cell of the exercise whose function is
+  `packed_bytes` is `packed_bytes`, its check `packed_bytes-check`. Inserting, moving or
+  removing cells therefore never changes the id of another exercise's cells, and
+  grading matches a student's answers to the reference by these ids across releases;
+- metadata is normalized: the notebook keeps a python3 kernelspec, `language_info.name`
+  and, under `minillm`, the notebook's name and its exercises (number, name, points,
+  the functions asked for, the starting code of each answer cell, and a version hash of
+  the statement and starting code, which tells grading that a submission predates a
+  changed exercise); a cell keeps only `tags`, `editable` and `deletable`; the JSON is
+  nbformat 4.5 as `nbformat.writes` formats it, so releasing twice gives identical bytes;
+- `exercises/conftest.py` makes `pytest --nbval-lax` name each graded cell
+  "Exercise N", as the notebook's headings and `minillm grade` do.
 
 Every solution must start with the bootstrap cell (`minillm.course.bootstrap`) for the
 repository URL in `_config.yml`. Release refuses a notebook whose first cell is not
@@ -19,16 +28,22 @@ exactly that cell; `release --fix-bootstrap` first rewrites the solution noteboo
 replacing an outdated bootstrap cell or inserting one at the top, then releases.
 
 Release validates every solution notebook before it writes anything: a marker that is
-unbalanced, nested, or outside a code cell, a malformed `# GRADED` line, or a missing
-bootstrap is an error naming the notebook and the cell, and no file is written.
+unbalanced, nested, or outside a code cell, a malformed `# GRADED` line, a missing
+bootstrap, a graded cell under the heading of another exercise number, two exercises
+of one name, or exercise cell ids that are not derived from the names is an error naming
+the notebook and the cell, and no file is written. `release --fix-ids` first gives the
+solutions' exercise cells their ids.
 Exercise notebooks whose solution is gone are removed. `minillm exercises check`
 exits 1 and names each file of `exercises/` that differs from what release would
 write, is missing, or has no source in `solutions/`.
 
-How an author writes an exercise: a code cell defines the function the student
-writes, with the answer between the markers; the next code cell, starting with
-`# GRADED: N points`, checks it. Only graded cells may call the student's functions,
-so that the released notebook fails exactly at its graded cells.
+How an author writes an exercise: under a heading `## Exercise N: title (P points)`, a
+code cell defines the function the student writes, with the answer between the markers;
+the next code cell, starting with `# GRADED: N points`, checks it. Only graded cells may
+call the student's functions, so that the released notebook fails exactly at its graded
+cells, and a check may use what setup cells and answer cells define but not what an
+earlier check defines (grading runs each check on its own). A check that measures time
+carries the cell tag `timing`, so that parallel grading runs it alone.
 `minillm exercises execute` runs the solution notebooks and stores their outputs.
 """
 
@@ -48,20 +63,23 @@ from minillm.course.bootstrap import (
     looks_like_bootstrap_cell,
     repository_url,
 )
-from minillm.course.grading import (
-    DEFAULT_TIMEOUT_S,
+from minillm.course.exercise_model import (
+    METADATA_KEY,
+    ExerciseSet,
+    assign_release_ids,
+    check_release_ids,
+    has_marker,
+    parse_exercises,
+    strip_solutions,
+)
+from minillm.course.grading import DEFAULT_TIMEOUT_S
+from minillm.course.notebook_io import (
     GRADED_RE,
     NotebookReadError,
     execute_notebook,
     read_notebook,
 )
 
-BEGIN_MARKER = "### BEGIN SOLUTION"
-END_MARKER = "### END SOLUTION"
-STUB_LINES = (
-    "# YOUR CODE HERE",
-    'raise NotImplementedError("replace this line with your solution")',
-)
 KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
 CELL_METADATA_KEYS = ("deletable", "editable", "tags")
 _GRADED_LINE = re.compile(r"^\s*#\s*GRADED\b")
@@ -75,47 +93,77 @@ class ReleaseError(Exception):
         self.problems = problems
 
 
-def strip_solutions(source: str) -> str:
-    """Replace each solution region of a code cell's source by the stub lines.
-
-    Raises ValueError naming the line of an unbalanced or nested marker.
-    """
-    out: list[str] = []
-    begin_line: int | None = None
-    for lineno, line in enumerate(source.split("\n"), start=1):
-        stripped = line.strip()
-        if stripped.startswith(BEGIN_MARKER):
-            if begin_line is not None:
-                raise ValueError(
-                    f"line {lineno}: {BEGIN_MARKER} inside the region opened at line "
-                    f"{begin_line} (regions cannot nest)"
-                )
-            begin_line = lineno
-            indent = line[: len(line) - len(line.lstrip())]
-            out.extend(indent + stub for stub in STUB_LINES)
-        elif stripped.startswith(END_MARKER):
-            if begin_line is None:
-                raise ValueError(f"line {lineno}: {END_MARKER} without a {BEGIN_MARKER} before it")
-            begin_line = None
-        elif begin_line is None:
-            out.append(line)
-    if begin_line is not None:
-        raise ValueError(f"line {begin_line}: {BEGIN_MARKER} is never closed by {END_MARKER}")
-    return "\n".join(out)
-
-
-def _has_marker(source: str) -> bool:
-    return any(line.strip().startswith((BEGIN_MARKER, END_MARKER)) for line in source.split("\n"))
-
-
 def _check_graded_markers(source: str) -> None:
     for line in source.split("\n"):
         if _GRADED_LINE.match(line) and not GRADED_RE.match(line):
             raise ValueError(f"malformed {line.strip()!r}, expected '# GRADED: N points'")
 
 
-def exercise_notebook(solution: nbformat.NotebookNode, repo_url: str) -> str:
-    """The released exercise (notebook JSON text) for one solution notebook.
+CONFTEST_NAME = "conftest.py"
+CONFTEST = '''"""Written by `minillm exercises release`: pytest --nbval-lax names each graded cell
+"Exercise N", as the notebook's headings and `minillm grade` do."""
+
+from minillm.course.nbval_names import pytest_collection_modifyitems  # noqa: F401
+'''
+
+
+def _check_ids_and_checks(solution: nbformat.NotebookNode) -> ExerciseSet:
+    """The solution's exercises; ValueError for misnamed cells or checks that need others."""
+    exercises = parse_exercises(solution)
+    problems = check_release_ids(exercises)
+    problems.extend(_checks_using_checks(exercises))
+    if problems:
+        raise ValueError("; ".join(problems))
+    return exercises
+
+
+def _checks_using_checks(exercises: ExerciseSet) -> list[str]:
+    """Checks that use a name only an earlier check defines (each check runs on its own)."""
+    import ast
+
+    def bound(code: str) -> set[str]:
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            return set()
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+        return names
+
+    problems = []
+    by_checks: set[str] = set()
+    by_setup: set[str] = set()
+    for step in exercises.steps:
+        if step.kind == "setup":
+            by_setup |= bound(step.source)
+            continue
+        try:
+            tree = ast.parse(step.source)
+        except SyntaxError:
+            continue
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        own = bound(step.source)
+        borrowed = sorted((used - own - by_setup) & by_checks)
+        if borrowed:
+            number = exercises.exercises[step.exercise].number
+            problems.append(
+                f"the check of exercise {number} uses {', '.join(borrowed)}, which only an "
+                "earlier check defines: define it in a setup cell"
+            )
+        by_checks |= own
+    return problems
+
+
+def exercise_notebook(solution: nbformat.NotebookNode, repo_url: str, name: str = "") -> str:
+    """The released exercise (notebook JSON text) for the solution notebook `name`.
 
     Raises ValueError starting with "cell N:" for the first problem found.
     """
@@ -130,7 +178,7 @@ def exercise_notebook(solution: nbformat.NotebookNode, repo_url: str) -> str:
         try:
             if cell.cell_type == "code":
                 source = strip_solutions(source)
-            elif _has_marker(source):
+            elif has_marker(source):
                 raise ValueError(f"solution markers in a {cell.cell_type} cell (code cells only)")
             if cell.cell_type == "code":
                 _check_graded_markers(source)
@@ -145,10 +193,15 @@ def exercise_notebook(solution: nbformat.NotebookNode, repo_url: str) -> str:
         else:
             new = nbformat.v4.new_raw_cell(source)
         new.metadata = {k: cell.metadata[k] for k in CELL_METADATA_KEYS if k in cell.metadata}
-        new.id = f"cell-{index}"
+        new.id = cell.get("id") or f"cell-{index}"
         cells.append(new)
+    exercises = _check_ids_and_checks(solution)
     nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata = {"kernelspec": dict(KERNELSPEC), "language_info": {"name": "python"}}
+    nb.metadata = {
+        "kernelspec": dict(KERNELSPEC),
+        "language_info": {"name": "python"},
+        METADATA_KEY: exercises.metadata(name),
+    }
     nbformat.validate(nb)
     return nbformat.writes(nb, version=4) + "\n"
 
@@ -164,7 +217,7 @@ def plan_release(solutions_dir: pathlib.Path, repo_url: str) -> dict[str, str]:
     problems: list[str] = []
     for path in sorted(solutions_dir.glob("*.ipynb")):
         try:
-            planned[path.name] = exercise_notebook(read_notebook(path), repo_url)
+            planned[path.name] = exercise_notebook(read_notebook(path), repo_url, path.stem)
         except (NotebookReadError, ValueError) as exc:
             problems.append(f"{path}: {exc}")
     if problems:
@@ -181,7 +234,7 @@ def release(solutions_dir: pathlib.Path, exercises_dir: pathlib.Path, repo_url: 
         if path.name not in planned:
             path.unlink()
             changes.append(f"removed {path} (no source in {solutions_dir})")
-    for name, text in planned.items():
+    for name, text in {**planned, CONFTEST_NAME: CONFTEST}.items():
         path = exercises_dir / name
         data = text.encode("utf-8")
         if not path.exists() or path.read_bytes() != data:
@@ -196,16 +249,36 @@ def stale_exercises(
     """One line per exercise notebook that differs, is missing, or has no source."""
     planned = plan_release(solutions_dir, repo_url)
     stale = []
-    for name, text in planned.items():
+    for name, text in {**planned, CONFTEST_NAME: CONFTEST}.items():
         path = exercises_dir / name
         if not path.exists():
             stale.append(f"{path}: missing")
         elif path.read_bytes() != text.encode("utf-8"):
-            stale.append(f"{path}: differs from its solution {solutions_dir / name}")
+            source = f"its solution {solutions_dir / name}" if name in planned else "release's"
+            stale.append(f"{path}: differs from {source}")
     for path in sorted(exercises_dir.glob("*.ipynb")):
         if path.name not in planned:
             stale.append(f"{path}: has no source in {solutions_dir}")
     return stale
+
+
+def fix_ids(solutions_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Give the exercise cells of every solution notebook their stable ids.
+
+    Returns the notebooks rewritten; notebooks that cannot be read or parsed are left for
+    release to report.
+    """
+    changed = []
+    for path in sorted(solutions_dir.glob("*.ipynb")):
+        try:
+            nb = read_notebook(path)
+            if not assign_release_ids(nb):
+                continue
+        except (NotebookReadError, ValueError):
+            continue
+        path.write_text(nbformat.writes(nb, version=4) + "\n", encoding="utf-8")
+        changed.append(path)
+    return changed
 
 
 def fix_bootstrap(solutions_dir: pathlib.Path, repo_url: str) -> list[pathlib.Path]:
@@ -277,6 +350,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     release_parser.add_argument(
+        "--fix-ids",
+        action="store_true",
+        help="first give each solution's exercise cells the ids derived from their names",
+    )
+    release_parser.add_argument(
         "--fix-bootstrap",
         action="store_true",
         help="first rewrite each solution so that its first cell is the current bootstrap",
@@ -324,6 +402,9 @@ def _release(args: argparse.Namespace) -> int:
         if args.fix_bootstrap:
             for path in fix_bootstrap(solutions, repo_url):
                 print(f"updated the bootstrap cell of {path}")
+        if args.fix_ids:
+            for path in fix_ids(solutions):
+                print(f"gave the exercise cells of {path} their ids")
         changes = release(solutions, exercises, repo_url)
     except ReleaseError as exc:
         return _fail(f"no exercise written:\n{exc}")

@@ -1,34 +1,36 @@
-"""Grade exercise notebooks: run each one, score the cells marked `# GRADED: N points`.
-
-A graded cell earns its points when it runs without raising, and none otherwise. Every
-notebook runs from top to bottom in a fresh `python3` kernel whose working directory is
-the notebook's folder, with a time limit per cell; a cell that raises (or runs out of
-time and is interrupted) does not stop the cells after it, so one unfinished exercise
-costs only its own points.
+"""Grade exercise notebooks: each exercise's check, run on the student's definitions.
 
     minillm grade exercises/ch00_conventions.ipynb
-    minillm grade submissions/ --report grades.csv --timeout 120
-    minillm grade submissions/ --reference exercises/
+    minillm grade --reference solutions/ch00_conventions.ipynb submissions/ -j 4
+    minillm grade --reference exercises/ submissions/ --report grades.csv --feedback feedback/
 
-With `--reference`, the checks come from the instructor's copy, not the student's: each
-graded cell of the reference notebook (the released exercise of the same file name, when
-the reference is a folder) replaces the submission's cell of the same cell id before the
-notebook runs, and only the reference's graded cells count, with its points. A student
-who edits, deletes or adds a check cell therefore changes nothing but their own code; a
-check cell missing from the submission scores zero. When the submission holds none of
-the reference's cell ids (a tool rewrote them), graded cells are matched in order, and
-both notebooks must have the same number of them. Cell numbers in the report are then
-the reference's, so that they line up across students.
+An exercise earns its points when its check cell (`# GRADED: N points`) runs without
+raising. The checks, the setup cells they rely on and the points come from the reference:
+the notebook given with `--reference` (a released exercise or its solution), or, without
+it, the notebook itself. From a submission, grading takes only the student's
+*definitions* (functions, classes, imports, constants) in the cells that answer the
+exercises: the cell whose id is the exercise's (ids derive from the exercise's name and
+survive re-releases), or else the cell that defines the function the exercise asks for.
+Edits to any other cell, check cells included, change nothing.
 
-A folder stands for every `*.ipynb` below it, in sorted order. A notebook that cannot
-run at all (not valid JSON, not a notebook, its kernel died) is reported with the
-error and scores zero; grading goes on with the next one. A missing path, or a file
-that is not an `.ipynb`, is a one-line error on stderr, and the other paths are still
-graded.
+Each submission and exercise is checked in a process of its own, forked from one that
+ran only the reference's code (`minillm.course.sandbox`): a crash or a hang costs only
+that exercise, and one submission cannot reach another. Where Linux's Landlock is
+available that process can write only into a temporary folder of its own (holding a copy
+of the files beside the submission) and read only the Python installation, the
+installed packages and system folders. Checks run on the CPU (CUDA is hidden), so that
+every submission is graded on the same device.
+
+A reference folder (such as `exercises/` or `solutions/`) holds one reference per
+chapter; a submission is matched to the one of the same file name, else to the one its
+metadata names, else to the one whose functions it defines. A folder of submissions
+stands for every `*.ipynb` below it. A notebook that cannot be read is reported with the
+error and scores zero; grading goes on with the next. A missing path, or a file that is
+not an `.ipynb`, is a one-line error on stderr, and the other paths are still graded.
 
 The exit status says whether grading worked, not how well the students did: 0 when
-every path was found and every notebook ran to the end (whatever the scores), 1
-otherwise, 2 for a bad command line.
+every path was found and every notebook was graded (whatever the scores), 1 otherwise,
+2 for a bad command line.
 """
 
 from __future__ import annotations
@@ -39,202 +41,465 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
+import queue
+import shutil
+import subprocess
 import sys
+import tempfile
+import threading
+from collections.abc import Callable
 
 import nbformat
-from nbformat.v4.rwbase import rejoin_lines, strip_transient
-from nbformat.validator import iter_validate
 
-GRADED_RE = re.compile(r"^\s*#\s*GRADED:\s*(\d+)\s+points?\s*$", re.MULTILINE)
+from minillm.course.exercise_model import (
+    STUB_RAISE,
+    ExerciseSet,
+    StudentCode,
+    parse_exercises,
+    recorded_exercises,
+    student_code,
+    top_level_definitions,
+)
+from minillm.course.notebook_io import (  # noqa: F401  (the book reads graded points with these)
+    GRADED_RE,
+    NotebookReadError,
+    execute_notebook,
+    graded_cells,
+    graded_points,
+    parse_notebook,
+    read_notebook,
+)
+from minillm.course.sandbox import landlock_abi
+
 DEFAULT_TIMEOUT_S = 60
-KERNEL_NAME = "python3"
-
-
-class NotebookReadError(ValueError):
-    """A file that is not a readable Jupyter notebook (format 4)."""
+SETUP_TIMEOUT_S = 600  # a setup cell of the reference (loading a model, say)
+MAX_FILE_BYTES = 10 * 2**20  # files beside a submission that its checks may read
+MAX_FILES = 100
 
 
 @dataclasses.dataclass(slots=True)
-class CellGrade:
-    """The result of one graded cell (`index` counts every cell of the notebook from 0)."""
+class ExerciseGrade:
+    """The result of one exercise of one submission."""
 
-    index: int
+    number: int
+    name: str
+    title: str
     max_points: int
     passed: bool
-    error: str | None = None  # "ExceptionName: message" when the cell raised
+    error: str | None = None  # one line: "ExceptionName: message", or why it was not run
+    message: str | None = None  # the whole message of the exception
+    input: str | None = None  # hypothesis's falsifying example
+    checked: str | None = None  # the line of the check that failed
+    where: str | None = None  # the line of the student's code that raised
+    notes: list[str] = dataclasses.field(default_factory=list)
+    output: str = ""  # the end of what the check and the student's code printed
+    seconds: float | None = None
 
     @property
     def points(self) -> int:
         return self.max_points if self.passed else 0
 
-
-@dataclasses.dataclass(slots=True)
-class NotebookGrade:
-    """The graded cells of one notebook; `error` is set when the notebook could not run."""
-
-    path: str
-    cells: list[CellGrade]
-    error: str | None = None
-
-    @property
-    def points(self) -> int:
-        return sum(cell.points for cell in self.cells)
-
-    @property
-    def max_points(self) -> int:
-        return sum(cell.max_points for cell in self.cells)
-
     def to_dict(self) -> dict:
         return {
-            "path": self.path,
+            "exercise": self.number,
+            "name": self.name,
+            "title": self.title,
             "points": self.points,
             "max_points": self.max_points,
+            "passed": self.passed,
             "error": self.error,
-            "cells": [
-                {
-                    "cell": c.index,
-                    "points": c.points,
-                    "max_points": c.max_points,
-                    "passed": c.passed,
-                    "error": c.error,
-                }
-                for c in self.cells
-            ],
+            "message": self.message,
+            "input": self.input,
+            "checked": self.checked,
+            "where": self.where,
+            "notes": self.notes,
+            "seconds": self.seconds,
         }
 
 
-def graded_points(source: str) -> int | None:
-    """The points of a cell marked `# GRADED: N points` (or `1 point`), else None."""
-    match = GRADED_RE.search(source)
-    return int(match.group(1)) if match else None
+@dataclasses.dataclass(slots=True)
+class NotebookGrade:
+    """The exercises of one submission; `error` is set when it could not be graded."""
+
+    path: str
+    exercises: list[ExerciseGrade]
+    error: str | None = None
+    student: str = ""  # how the tables name it; the path when empty
+    reference: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def points(self) -> int:
+        return sum(e.points for e in self.exercises)
+
+    @property
+    def max_points(self) -> int:
+        return sum(e.max_points for e in self.exercises)
+
+    @property
+    def label(self) -> str:
+        return self.student or self.path
+
+    def to_dict(self) -> dict:
+        return {
+            "student": self.label,
+            "path": self.path,
+            "reference": self.reference,
+            "points": self.points,
+            "max_points": self.max_points,
+            "error": self.error,
+            "notes": self.notes,
+            "exercises": [e.to_dict() for e in self.exercises],
+        }
 
 
-def read_notebook(path: str | os.PathLike[str]) -> nbformat.NotebookNode:
-    """Read and validate a format-4 notebook; NotebookReadError says what is wrong."""
-    try:
-        text = pathlib.Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise NotebookReadError(f"cannot read: {exc}") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise NotebookReadError(f"not valid JSON: {exc}") from exc
-    if not isinstance(data, dict) or data.get("nbformat") != 4:
-        raise NotebookReadError("not a Jupyter notebook (expected a JSON object with nbformat 4)")
-    # iter_validate only reads; nbformat.validate would first "repair" the dict, and
-    # fails with KeyError or TypeError on some malformed ones.
-    for error in iter_validate(data):
-        raise NotebookReadError(f"not a valid notebook: {error.message}")
-    nb = nbformat.from_dict(data)
-    # What nbformat.reads does after parsing: multi-line strings stored as lists are joined.
-    return strip_transient(rejoin_lines(nb))
+NOT_ANSWERED = "not answered yet: the starting code still raises NotImplementedError"
 
 
-def _error_text(ename: str, evalue: str) -> str:
-    first_line = evalue.strip().splitlines()[0] if evalue.strip() else ""
-    return f"{ename}: {first_line}" if first_line else ename
-
-
-def execute_notebook(
-    nb: nbformat.NotebookNode, cwd: str | os.PathLike[str], timeout_s: int
-) -> dict[int, str | None]:
-    """Run every code cell of `nb` in place, in a fresh kernel started in `cwd`.
-
-    Returns, for each cell that ran, None or its error as "ExceptionName: message".
-    A cell that runs past `timeout_s` is interrupted and counts as an error. Raises when
-    the kernel cannot start or dies (nbclient's exceptions).
-    """
-    from nbclient import NotebookClient  # imported here: only grading needs a kernel
-
-    errors: dict[int, str | None] = {}
-
-    def on_cell_executed(cell, cell_index: int, execute_reply: dict) -> None:
-        content = execute_reply["content"]
-        failed = content.get("status") == "error"
-        errors[cell_index] = (
-            _error_text(content.get("ename", "Error"), content.get("evalue", ""))
-            if failed
-            else None
-        )
-
-    client = NotebookClient(
-        nb,
-        timeout=timeout_s,
-        kernel_name=KERNEL_NAME,
-        allow_errors=True,
-        interrupt_on_timeout=True,
-        error_on_timeout={
-            "ename": "Timeout",
-            "evalue": f"the cell ran longer than {timeout_s} s and was interrupted",
-            "traceback": [],
-        },
-        record_timing=False,
-        coalesce_streams=True,  # print() may arrive in pieces; stored outputs must not vary
-        resources={"metadata": {"path": str(cwd)}},
-        on_cell_executed=on_cell_executed,
+def _is_stub(exercise: ExerciseGrade) -> bool:
+    """A failure that is the starting code's stub raising, not an answer's."""
+    return bool(
+        not exercise.passed
+        and (exercise.error or "").startswith("NotImplementedError")
+        and exercise.where
+        and STUB_RAISE in exercise.where
     )
-    client.execute()
-    return errors
 
 
-def graded_cells(nb: nbformat.NotebookNode) -> dict[int, int]:
-    """{cell index: points} for every code cell marked `# GRADED: N points`."""
-    return {
-        i: points
-        for i, cell in enumerate(nb.cells)
-        if cell.cell_type == "code" and (points := graded_points(cell.source)) is not None
-    }
-
-
-def score_cells(nb: nbformat.NotebookNode, errors: dict[int, str | None]) -> list[CellGrade]:
-    """Grade the graded cells of `nb` from `execute_notebook`'s per-cell errors."""
+def _unrun(exercises: ExerciseSet | None, error: str) -> list[ExerciseGrade]:
+    if exercises is None:
+        return []
     return [
-        CellGrade(
-            i, points, passed=i in errors and errors[i] is None, error=errors.get(i, "not run")
-        )
-        for i, points in graded_cells(nb).items()
+        ExerciseGrade(ex.number, ex.name, ex.title, ex.points, passed=False, error=error)
+        for ex in exercises.exercises
     ]
 
 
-def restore_graded_cells(
-    submission: nbformat.NotebookNode, reference: nbformat.NotebookNode
-) -> dict[int, int | None]:
-    """Put the reference's graded cells into `submission`, in place.
+# ---------------------------------------------------------------------------------------
+# Which reference grades which submission
 
-    Returns {reference cell index: submission cell index, or None when the submission
-    has no such cell}. Cells are matched by id; when no reference graded cell's id occurs
-    in the submission, the k-th graded cell of each is matched instead (ValueError if
-    their numbers differ). A cell of the submission marked `# GRADED` that the reference
-    does not grade loses its marker, so that it cannot earn points.
+
+def match_reference(
+    nb: nbformat.NotebookNode, path: pathlib.Path, folder: pathlib.Path
+) -> tuple[pathlib.Path | None, str]:
+    """The notebook of the reference folder that grades `nb`, and how it was chosen.
+
+    By file name first; then by the notebook name release records in the metadata; then
+    the reference most of whose exercise functions `nb` defines.
     """
-    wanted = graded_cells(reference)
-    by_id = {cell.get("id"): i for i, cell in enumerate(submission.cells)}
-    matches = {i: by_id.get(reference.cells[i].get("id")) for i in wanted}
-    if wanted and all(j is None for j in matches.values()):
-        theirs = list(graded_cells(submission))
-        if len(theirs) != len(wanted):
-            raise ValueError(
-                f"cell ids differ from the reference's and the submission has {len(theirs)} "
-                f"graded cells where the reference has {len(wanted)}"
-            )
-        matches = dict(zip(wanted, theirs, strict=True))
-    restored = {j for j in matches.values() if j is not None}
-    for i, j in matches.items():
-        if j is not None:
-            submission.cells[j] = nbformat.v4.new_code_cell(reference.cells[i].source)
-            submission.cells[j].id = reference.cells[i].get("id", submission.cells[j].id)
-    for j, cell in enumerate(submission.cells):
-        if j not in restored and cell.cell_type == "code" and graded_points(cell.source):
-            cell.source = GRADED_RE.sub(
-                "# (not graded: not a graded cell of the reference)", cell.source
-            )
-    return matches
+    candidates = sorted(p for p in folder.glob("*.ipynb"))
+    same = folder / path.name
+    if same in candidates:
+        return same, "file name"
+    meta = nb.metadata.get("minillm")
+    name = meta.get("notebook") if isinstance(meta, dict) else None
+    if isinstance(name, str) and folder / f"{name}.ipynb" in candidates:
+        return folder / f"{name}.ipynb", "metadata"
+    defined = {n for cell in nb.cells if cell.cell_type == "code" for n, _ in _definitions(cell)}
+    best, best_count = None, 0
+    for candidate in candidates:
+        try:
+            ref = read_notebook(candidate)
+        except NotebookReadError:
+            continue
+        wanted = {f for e in recorded_exercises(ref) for f in e.get("functions", [])}
+        if not wanted:
+            try:
+                wanted = set(parse_exercises(ref).functions())
+            except ValueError:
+                continue
+        count = len(wanted & defined)
+        if count > best_count:
+            best, best_count = candidate, count
+    return best, "functions it defines"
 
 
-def reference_for(path: pathlib.Path, reference: pathlib.Path) -> pathlib.Path:
-    """The reference notebook of a submission: `reference` itself, or its namesake inside."""
-    return reference / path.name if reference.is_dir() else reference
+def _definitions(cell: nbformat.NotebookNode) -> list[tuple[str, str]]:
+    return top_level_definitions(cell.source)
+
+
+# ---------------------------------------------------------------------------------------
+# Running the checks
+
+
+@dataclasses.dataclass(slots=True)
+class _Submission:
+    path: pathlib.Path
+    grade: NotebookGrade
+    code: StudentCode
+
+
+class _Group:
+    """Submissions graded against one reference, in one sandbox process."""
+
+    def __init__(self, key: str, exercises: ExerciseSet) -> None:
+        self.key = key
+        self.exercises = exercises
+        self.submissions: list[_Submission] = []
+
+
+def _copy_beside(path: pathlib.Path, target: pathlib.Path) -> None:
+    """Copy the plain files beside a submission (not notebooks, not links, not huge)."""
+    target.mkdir(parents=True)
+    copied = 0
+    for item in sorted(path.parent.iterdir()):
+        if copied >= MAX_FILES:
+            break
+        if item.is_symlink() or not item.is_file() or item.suffix == ".ipynb":
+            continue
+        if item.stat().st_size > MAX_FILE_BYTES:
+            continue
+        shutil.copyfile(item, target / item.name)
+        copied += 1
+
+
+def _environment(workdir: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "CUDA_VISIBLE_DEVICES": "",  # every submission graded on the same device: the CPU
+            "TOKENIZERS_PARALLELISM": "false",  # its thread pool and fork do not mix
+            "MPLBACKEND": "Agg",
+            "HOME": workdir,
+            "TMPDIR": workdir,
+        }
+    )
+    return env
+
+
+def _run_group(
+    group: _Group,
+    timeout_s: int,
+    jobs: int,
+    confine: bool,
+    on_event: Callable[[dict], None],
+) -> list[str]:
+    """Grade the submissions of one group; returns the problems of grading itself."""
+    exercises = group.exercises
+    problems: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="minillm-grade-") as run_root:
+        root = pathlib.Path(run_root)
+        payload = []
+        for i, sub in enumerate(group.submissions):
+            files = root / f"files-{i}"
+            try:
+                _copy_beside(sub.path, files)
+            except OSError:
+                files.mkdir(exist_ok=True)
+            payload.append(
+                {
+                    "files": str(files),
+                    "cells": [dataclasses.asdict(c) for c in sub.code.cells],
+                    "skip": sorted(sub.code.errors),
+                }
+            )
+        protected = sorted(
+            {str(s.path.resolve().parent) for s in group.submissions}
+            | {str(pathlib.Path(group.key).resolve().parent)}
+        )
+        job = {
+            "steps": [dataclasses.asdict(s) for s in exercises.steps],
+            "exercises": [
+                {"number": ex.number, "functions": list(ex.functions), "timing": ex.timing}
+                for ex in exercises.exercises
+            ],
+            "submissions": payload,
+            "jobs": jobs,
+            "timeout_s": timeout_s,
+            "setup_timeout_s": SETUP_TIMEOUT_S,
+            "workdir": run_root,
+            "protected": protected,
+            "confine": confine,
+        }
+        zygote_dir = root / "sandbox"
+        zygote_dir.mkdir()
+        stderr_path = root / "sandbox-stderr.txt"
+        with open(stderr_path, "wb") as stderr:
+            process = subprocess.Popen(
+                [sys.executable, "-I", "-m", "minillm.course.sandbox"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                cwd=zygote_dir,
+                env=_environment(str(zygote_dir)),
+                start_new_session=True,
+            )
+            done = _read_events(process, job, timeout_s, on_event)
+        if not done:
+            tail = _last_lines(stderr_path) or _last_lines(root / "setup-output.txt")
+            problems.append(
+                f"the grading process stopped (exit status {process.returncode})"
+                + (f": {tail}" if tail else "")
+            )
+    return problems
+
+
+def _read_events(
+    process: subprocess.Popen, job: dict, timeout_s: int, on_event: Callable[[dict], None]
+) -> bool:
+    """Feed the job to the sandbox and pass on its events; True when it finished."""
+    lines: queue.Queue[bytes | None] = queue.Queue()
+
+    def reader() -> None:
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=reader, daemon=True).start()
+    try:
+        process.stdin.write(json.dumps(job).encode())
+        process.stdin.close()
+    except BrokenPipeError:
+        pass
+    # a watchdog above the sandbox's own limits: a setup cell stuck in native code
+    silence_s = SETUP_TIMEOUT_S + timeout_s + 60
+    done = False
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=silence_s)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if event.get("event") == "done":
+                done = True
+            else:
+                on_event(event)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    return done
+
+
+def _last_lines(path: pathlib.Path, count: int = 3) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-count:])
+
+
+def grade_notebooks(
+    paths: list[pathlib.Path],
+    reference: pathlib.Path | None = None,
+    timeout_s: int = DEFAULT_TIMEOUT_S,
+    jobs: int = 1,
+    labels: list[str] | None = None,
+    confine: bool = True,
+    on_progress: Callable[[NotebookGrade, ExerciseGrade], None] | None = None,
+) -> tuple[list[NotebookGrade], list[str]]:
+    """Grade the notebooks at `paths`; returns their grades (in order) and the problems.
+
+    A problem is a line about grading itself (a reference whose setup failed, a sandbox
+    that stopped); the grades are complete
+    whatever happened, with each exercise that could not be checked failed and saying why.
+    """
+    labels = labels or [str(p) for p in paths]
+    grades: list[NotebookGrade] = []
+    groups: dict[str, _Group] = {}
+    problems: list[str] = []
+    references: dict[str, ExerciseSet | str] = {}
+
+    def load_reference(key: str, nb: nbformat.NotebookNode | None) -> ExerciseSet | str:
+        if key not in references:
+            try:
+                ref_nb = nb if nb is not None else read_notebook(key)
+                references[key] = parse_exercises(ref_nb)
+            except (NotebookReadError, ValueError) as exc:
+                references[key] = f"reference {key}: {exc}"
+        return references[key]
+
+    for path, label in zip(paths, labels, strict=True):
+        path = pathlib.Path(path)
+        grade = NotebookGrade(str(path), [], student=label)
+        grades.append(grade)
+        try:
+            nb = read_notebook(path)
+        except NotebookReadError as exc:
+            grade.error = str(exc)
+            if reference is not None and reference.is_file():
+                ref = load_reference(str(reference), None)
+                grade.exercises = _unrun(ref if isinstance(ref, ExerciseSet) else None, "not run")
+            continue
+        if reference is None:
+            key, ref = str(path), load_reference(str(path), nb)
+        elif reference.is_dir():
+            chosen, _how = match_reference(nb, path, reference)
+            if chosen is None:
+                grade.error = (
+                    f"no notebook of {reference} matches it (by file name, by the notebook its "
+                    "metadata names, or by the functions it defines): give the reference "
+                    f"notebook itself, --reference {reference}/<name>.ipynb"
+                )
+                continue
+            key, ref = str(chosen), load_reference(str(chosen), None)
+        else:
+            key, ref = str(reference), load_reference(str(reference), None)
+        grade.reference = key
+        if isinstance(ref, str):
+            grade.error = ref
+            continue
+        code = student_code(nb, ref)
+        grade.notes = list(code.general)
+        grade.exercises = [
+            ExerciseGrade(
+                ex.number,
+                ex.name,
+                ex.title,
+                ex.points,
+                passed=False,
+                error=code.errors.get(k, "not graded"),
+                notes=list(code.notes.get(k, [])),
+            )
+            for k, ex in enumerate(ref.exercises)
+        ]
+        if key not in groups:
+            groups[key] = _Group(key, ref)
+        groups[key].submissions.append(_Submission(path, grade, code))
+
+    for group in groups.values():
+        reported = set()
+
+        def on_event(event: dict, group: _Group = group, reported: set = reported) -> None:
+            if event.get("event") == "setup":
+                line = f"{group.key}, cell {event['cell']}: {event['error']}"
+                if line not in reported:
+                    reported.add(line)
+                    problems.append(f"setup failed: {line}")
+                    for sub in group.submissions:
+                        sub.grade.notes.append(
+                            f"the notebook's cell {event['cell']} raised {event['error']}: "
+                            "the checks that rely on it fail"
+                        )
+            elif event.get("event") == "result":
+                sub = group.submissions[event["submission"]]
+                exercise = sub.grade.exercises[event["exercise"]]
+                exercise.passed = event.get("passed") is True
+                for field in ("error", "message", "input", "checked", "where"):
+                    setattr(exercise, field, event.get(field))
+                exercise.notes.extend(event.get("notes") or [])
+                if _is_stub(exercise):
+                    exercise.error = NOT_ANSWERED
+                    exercise.message = exercise.checked = exercise.where = None
+                exercise.output = event.get("output") or ""
+                exercise.seconds = event.get("seconds")
+                if on_progress is not None:
+                    on_progress(sub.grade, exercise)
+
+        group_problems = _run_group(group, timeout_s, jobs, confine, on_event)
+        for problem in group_problems:
+            problems.append(f"{group.key}: {problem}")
+            for sub in group.submissions:
+                for exercise in sub.grade.exercises:
+                    if exercise.error == "not graded":
+                        exercise.error = f"not graded: {problem}"
+    return grades, problems
 
 
 def grade_notebook(
@@ -242,67 +507,25 @@ def grade_notebook(
     timeout_s: int = DEFAULT_TIMEOUT_S,
     reference: str | os.PathLike[str] | None = None,
 ) -> NotebookGrade:
-    """Run the notebook at `path` and score its graded cells.
+    """Grade one notebook (see grade_notebooks)."""
+    grades, _ = grade_notebooks(
+        [pathlib.Path(path)], pathlib.Path(reference) if reference else None, timeout_s
+    )
+    return grades[0]
 
-    With `reference` (a notebook, or a folder holding one of the same file name), the
-    graded cells and their points are the reference's (see `restore_graded_cells`).
-    A notebook that cannot be read or run gives a NotebookGrade with `error` set; its
-    graded cells (when it could be read) are listed as failed.
+
+# ---------------------------------------------------------------------------------------
+# Tables, reports and feedback
+
+
+def collect_notebooks(paths: list[str]) -> tuple[list[tuple[pathlib.Path, str]], list[str]]:
+    """Expand folders into their notebooks, each with the name the tables give it.
+
+    A notebook inside a folder argument is named by its path below that folder, without
+    `.ipynb` (`alice/ch00_conventions`); a file argument by the path as given. Returns
+    ([(path, name)], one error line per bad path).
     """
-    path = pathlib.Path(path)
-    ref_nb = None
-    if reference is not None:
-        ref_path = reference_for(path, pathlib.Path(reference))
-        try:
-            ref_nb = read_notebook(ref_path)
-        except NotebookReadError as exc:
-            return NotebookGrade(str(path), cells=[], error=f"reference {ref_path}: {exc}")
-    try:
-        nb = read_notebook(path)
-    except NotebookReadError as exc:
-        failed = score_reference(ref_nb, {}, {}) if ref_nb is not None else []
-        return NotebookGrade(str(path), cells=failed, error=str(exc))
-    matches = None
-    if ref_nb is not None:
-        try:
-            matches = restore_graded_cells(nb, ref_nb)
-        except ValueError as exc:
-            failed = score_reference(ref_nb, {}, {})
-            return NotebookGrade(str(path), cells=failed, error=f"cannot grade: {exc}")
-    try:
-        errors = execute_notebook(nb, path.resolve().parent, timeout_s)
-    # A batch of submissions must survive any one of them: the kernel can fail to
-    # start, die, or stop answering, and nbclient reports each with its own exception.
-    except Exception as exc:
-        message = f"did not run: {type(exc).__name__}: {exc}".strip()
-        errors, error = {}, message
-    else:
-        error = None
-    if matches is None:
-        return NotebookGrade(str(path), cells=score_cells(nb, errors), error=error)
-    return NotebookGrade(str(path), cells=score_reference(ref_nb, matches, errors), error=error)
-
-
-def score_reference(
-    reference: nbformat.NotebookNode,
-    matches: dict[int, int | None],
-    errors: dict[int, str | None],
-) -> list[CellGrade]:
-    """Grade the reference's graded cells from the errors of their matched submission cells."""
-    grades = []
-    for i, points in graded_cells(reference).items():
-        j = matches.get(i)
-        if j is None:
-            error = "missing from the submission" if matches else "not run"
-        else:
-            error = errors.get(j, "not run")
-        grades.append(CellGrade(i, points, passed=j is not None and error is None, error=error))
-    return grades
-
-
-def collect_notebooks(paths: list[str]) -> tuple[list[pathlib.Path], list[str]]:
-    """Expand folders into their notebooks; returns (notebooks, one error line per bad path)."""
-    notebooks: list[pathlib.Path] = []
+    notebooks: list[tuple[pathlib.Path, str]] = []
     problems: list[str] = []
     for name in paths:
         path = pathlib.Path(name)
@@ -310,129 +533,329 @@ def collect_notebooks(paths: list[str]) -> tuple[list[pathlib.Path], list[str]]:
             found = sorted(p for p in path.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
             if not found:
                 problems.append(f"{name}: folder holds no .ipynb notebooks")
-            notebooks.extend(found)
+            notebooks.extend((p, str(p.relative_to(path).with_suffix(""))) for p in found)
         elif not path.exists():
             problems.append(f"{name}: no such file or folder")
         elif path.suffix != ".ipynb":
             problems.append(f"{name}: not a notebook (expected an .ipynb file or a folder)")
         else:
-            notebooks.append(path)
+            notebooks.append((path, name))
     return notebooks, problems
 
 
-def _table_rows(grades: list[NotebookGrade]) -> list[tuple[str, str, str, str]]:
-    """(notebook, cell, points, result) for each graded cell and each notebook's total."""
-    rows = []
+def _exercise_line(e: ExerciseGrade) -> str:
+    return "passed" if e.passed else f"failed: {e.error}"
+
+
+def format_feedback(grade: NotebookGrade) -> str:
+    """One notebook's grade, exercise by exercise, with what to fix."""
+    head = grade.label
+    if grade.reference and grade.reference != grade.path:
+        head += f"  (checks from {grade.reference})"
+    lines = [head]
+    if grade.error:
+        lines.append(f"  not graded: {grade.error}")
+    width = max([len(e.name) for e in grade.exercises] + [4])
+    if grade.exercises:
+        lines.append(f"  {'exercise':>8}  {'name':<{width}}  {'points':>6}  result")
+    pad = " " * (2 + 8 + 2 + width + 2 + 6 + 2)
+    for e in grade.exercises:
+        points = f"{e.points}/{e.max_points}"
+        lines.append(f"  {e.number:>8}  {e.name:<{width}}  {points:>6}  {_exercise_line(e)}")
+        if not e.passed:
+            for label, value in (
+                ("input", e.input),
+                ("checked", e.checked),
+                ("raised at", e.where),
+            ):
+                if value:
+                    lines.append(f"{pad}{label}: {value}")
+        for note in e.notes:
+            lines.append(f"{pad}note: {note}")
+    for note in grade.notes:
+        lines.append(f"  note: {note}")
+    lines.append(f"  {'total':>8}  {'':<{width}}  {f'{grade.points}/{grade.max_points}':>6}")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _by_reference(grades: list[NotebookGrade]) -> dict[str, list[NotebookGrade]]:
+    """The grades of each reference; a notebook that could not be matched to any goes with
+    the others when they all have the same reference."""
+    references = {g.reference for g in grades if g.reference}
+    only = references.pop() if len(references) == 1 else ""
+    groups: dict[str, list[NotebookGrade]] = {}
     for grade in grades:
-        for cell in grade.cells:
-            result = "passed" if cell.passed else f"failed: {cell.error}"
-            rows.append((grade.path, str(cell.index), f"{cell.points}/{cell.max_points}", result))
-        total_result = f"could not run: {grade.error}" if grade.error else ""
-        rows.append((grade.path, "total", f"{grade.points}/{grade.max_points}", total_result))
-    return rows
+        groups.setdefault(grade.reference or only, []).append(grade)
+    return groups
 
 
-def format_table(grades: list[NotebookGrade]) -> str:
-    """A plain-text table: one row per graded cell, a total row per notebook."""
-    rows = [("notebook", "cell", "points", "result"), *_table_rows(grades)]
-    widths = [max(len(row[col]) for row in rows) for col in range(3)]
-    lines = [
-        f"{path:<{widths[0]}}  {cell:>{widths[1]}}  {points:>{widths[2]}}  {_clip(result)}".rstrip()
-        for path, cell, points, result in rows
-    ]
-    return "\n".join(lines)
+def format_summary(grades: list[NotebookGrade]) -> str:
+    """A table per reference: one row per student, a column per exercise, and the total."""
+    blocks = []
+    for reference, group in _by_reference(grades).items():
+        template = next((g for g in group if g.exercises), None)
+        numbers = [e.number for e in template.exercises] if template else []
+        header = ["student", *(str(n) for n in numbers), "total", ""]
+        rows = [header]
+        for grade in group:
+            cells = {e.number: str(e.points) for e in grade.exercises}
+            total = f"{grade.points}/{grade.max_points}"
+            rows.append(
+                [
+                    grade.label,
+                    *(cells.get(n, "-") for n in numbers),
+                    total,
+                    f"not graded: {grade.error}" if grade.error else "",
+                ]
+            )
+        if template:
+            rows.append(["max", *(str(e.max_points) for e in template.exercises), "", ""])
+        widths = [max(len(r[c]) for r in rows) for c in range(len(header) - 1)]
+        title = f"checks from {reference}" if reference else "not graded"
+        lines = [title]
+        for row in rows:
+            first = f"{row[0]:<{widths[0]}}"
+            rest = "  ".join(f"{v:>{w}}" for v, w in zip(row[1:-1], widths[1:], strict=True))
+            lines.append(f"{first}  {rest}  {row[-1]}".rstrip())
+        if template:
+            names = ", ".join(f"{e.number} {e.name}" for e in template.exercises)
+            lines.append(f"exercises: {names}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
-def any_clipped(grades: list[NotebookGrade]) -> bool:
-    """True when format_table cuts a result short."""
-    return any(len(result) > CLIP_WIDTH for *_, result in _table_rows(grades))
+def _exercise_columns(grades: list[NotebookGrade]) -> list[tuple[str, int, str]]:
+    """(reference, number, column name) of every exercise, in order of first appearance."""
+    by_ref = _by_reference(grades)
+    several = len([r for r in by_ref if r]) > 1
+    columns = []
+    for reference, group in by_ref.items():
+        template = next((g for g in group if g.exercises), None)
+        if template is None:
+            continue
+        prefix = f"{pathlib.Path(reference).stem} " if several else ""
+        columns.extend(
+            (reference, e.number, f"{prefix}{e.number} {e.name}") for e in template.exercises
+        )
+    return columns
 
 
-CLIP_WIDTH = 100
+def write_report(grades: list[NotebookGrade], report: pathlib.Path) -> list[pathlib.Path]:
+    """Write the grades; returns the files written.
 
-
-def _clip(text: str, width: int = CLIP_WIDTH) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def write_report(grades: list[NotebookGrade], report: pathlib.Path) -> None:
-    """Write the grades as JSON (`.json`) or CSV (`.csv`, one row per cell plus totals)."""
+    `.json`: every notebook with every exercise's result and feedback. `.csv`: one row per
+    student (points per exercise and the total), and beside it `<name>.exercises.csv`, one
+    row per student and exercise with the feedback.
+    """
     if report.suffix == ".json":
         data = {"notebooks": [grade.to_dict() for grade in grades]}
         report.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        return
+        return [report]
     if report.suffix != ".csv":
         raise ValueError(f"report must end in .json or .csv, got {report}")
+    columns = _exercise_columns(grades)
     with report.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["notebook", "cell", "points", "max_points", "passed", "error"])
+        writer.writerow(
+            [
+                "student",
+                "notebook",
+                "reference",
+                *(c for *_, c in columns),
+                "points",
+                "max_points",
+                "error",
+            ]
+        )
         for grade in grades:
-            for c in grade.cells:
-                writer.writerow(
-                    [grade.path, c.index, c.points, c.max_points, c.passed, c.error or ""]
-                )
+            points = {(grade.reference, e.number): e.points for e in grade.exercises}
             writer.writerow(
-                [grade.path, "total", grade.points, grade.max_points, "", grade.error or ""]
+                [
+                    grade.label,
+                    grade.path,
+                    grade.reference,
+                    *(points.get((ref, n), "") for ref, n, _ in columns),
+                    grade.points,
+                    grade.max_points,
+                    grade.error or "",
+                ]
             )
+    detail = report.with_name(report.stem + ".exercises.csv")
+    with detail.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(
+            [
+                "student",
+                "notebook",
+                "reference",
+                "exercise",
+                "name",
+                "title",
+                "points",
+                "max_points",
+                "passed",
+                "error",
+                "input",
+                "checked",
+                "raised_at",
+                "notes",
+            ]
+        )
+        for grade in grades:
+            for e in grade.exercises:
+                writer.writerow(
+                    [
+                        grade.label,
+                        grade.path,
+                        grade.reference,
+                        e.number,
+                        e.name,
+                        e.title,
+                        e.points,
+                        e.max_points,
+                        e.passed,
+                        e.error or "",
+                        e.input or "",
+                        e.checked or "",
+                        e.where or "",
+                        " | ".join(e.notes + grade.notes),
+                    ]
+                )
+    return [report, detail]
+
+
+def write_feedback(grades: list[NotebookGrade], folder: pathlib.Path) -> list[pathlib.Path]:
+    """One text file per student, `<student>.txt`, with format_feedback's view of it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for grade in grades:
+        name = grade.label.replace(os.sep, "__").replace("/", "__")
+        path = folder / f"{pathlib.Path(name).name}.txt"
+        path.write_text(format_feedback(grade) + "\n", encoding="utf-8")
+        written.append(path)
+    return written
+
+
+# ---------------------------------------------------------------------------------------
+# The command line
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "grade",
-        help="run exercise notebooks and score their graded cells",
+        help="run exercise notebooks' checks and score them",
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="notebooks or folders of them")
     parser.add_argument(
-        "--report",
-        type=pathlib.Path,
-        metavar="FILE",
-        help="also write the grades to FILE.json or FILE.csv",
-    )
-    parser.add_argument(
         "--reference",
         type=pathlib.Path,
         metavar="PATH",
-        help="take the graded cells and points from this notebook, or from the notebook "
-        "of the same name in this folder (e.g. exercises/)",
+        help="take the checks, their setup and the points from this notebook, or from the "
+        "matching notebook of this folder (exercises/ or solutions/)",
+    )
+    parser.add_argument(
+        "-j",
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="check N exercises at once (default 1); checks tagged `timing` still run alone",
     )
     parser.add_argument(
         "--timeout",
         type=int,
         default=DEFAULT_TIMEOUT_S,
         metavar="SECONDS",
-        help=f"time limit per cell (default {DEFAULT_TIMEOUT_S})",
+        help=f"time limit per exercise (default {DEFAULT_TIMEOUT_S})",
+    )
+    parser.add_argument(
+        "--report",
+        type=pathlib.Path,
+        metavar="FILE",
+        help="also write the grades to FILE.csv (one row per student, and FILE.exercises.csv "
+        "with each exercise's feedback) or FILE.json",
+    )
+    parser.add_argument(
+        "--feedback",
+        type=pathlib.Path,
+        metavar="FOLDER",
+        help="write each student's feedback to FOLDER/<student>.txt",
     )
     parser.set_defaults(func=_run)
 
 
+def _progress(total: int) -> Callable[[NotebookGrade, ExerciseGrade], None] | None:
+    if not sys.stderr.isatty() or total <= 1:
+        return None
+    done = [0]
+
+    def show(grade: NotebookGrade, exercise: ExerciseGrade) -> None:
+        done[0] += 1
+        sys.stderr.write(f"\rgrading: {done[0]}/{total} exercises checked")
+        if done[0] == total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
+
+
 def _run(args: argparse.Namespace) -> int:
+    def fail(message: str) -> int:
+        print(f"minillm grade: {message}", file=sys.stderr)
+        return 2
+
     if args.report is not None and args.report.suffix not in (".json", ".csv"):
-        print(
-            f"minillm grade: --report must end in .json or .csv, got {args.report}", file=sys.stderr
-        )
-        return 2
+        return fail(f"--report must end in .json or .csv, got {args.report}")
     if args.timeout <= 0:
-        print(f"minillm grade: --timeout must be > 0, got {args.timeout}", file=sys.stderr)
-        return 2
+        return fail(f"--timeout must be > 0, got {args.timeout}")
+    if args.jobs <= 0:
+        return fail(f"--jobs must be > 0, got {args.jobs}")
     if args.reference is not None and not args.reference.exists():
-        print(
-            f"minillm grade: --reference {args.reference}: no such file or folder", file=sys.stderr
-        )
-        return 2
+        return fail(f"--reference {args.reference}: no such file or folder")
     notebooks, problems = collect_notebooks(args.paths)
     for problem in problems:
         print(f"minillm grade: {problem}", file=sys.stderr)
-    grades = [grade_notebook(path, args.timeout, args.reference) for path in notebooks]
-    if grades:
-        print(format_table(grades))
-        if any_clipped(grades) and args.report is None:
+    total = 0
+    if notebooks:
+        # an estimate for the progress line: the exercises of the first notebook, each
+        total = len(notebooks) * max(1, _count_exercises(notebooks[0][0], args.reference))
+    grades, grading_problems = grade_notebooks(
+        [p for p, _ in notebooks],
+        args.reference,
+        args.timeout,
+        args.jobs,
+        labels=[label for _, label in notebooks],
+        on_progress=_progress(total),
+    )
+    for problem in grading_problems:
+        print(f"minillm grade: {problem}", file=sys.stderr)
+    if args.reference is not None and grades and not landlock_abi():
+        print(
+            "minillm grade: warning: this system has no Linux Landlock, so a submission's code "
+            "could read or write any file you can; grade untrusted work in a container",
+            file=sys.stderr,
+        )
+    if len(grades) == 1:
+        print(format_feedback(grades[0]))
+    elif grades:
+        print(format_summary(grades))
+        if args.feedback is None and any(e.error for g in grades for e in g.exercises):
             print(
-                "minillm grade: messages ending in ... are cut; "
-                "--report FILE.json keeps them whole",
+                "minillm grade: --feedback FOLDER writes what failed, for each student",
                 file=sys.stderr,
             )
     if args.report is not None:
         write_report(grades, args.report)
-    ok = not problems and all(grade.error is None for grade in grades)
+    if args.feedback is not None:
+        write_feedback(grades, args.feedback)
+    ok = not problems and not grading_problems and all(g.error is None for g in grades)
     return 0 if ok else 1
+
+
+def _count_exercises(path: pathlib.Path, reference: pathlib.Path | None) -> int:
+    try:
+        source = reference if reference is not None and reference.is_file() else path
+        return len(graded_cells(read_notebook(source)))
+    except (NotebookReadError, OSError):
+        return 1

@@ -1,8 +1,10 @@
 """The repository's exercises: current with their solutions, and graded as designed.
 
-Every solution notebook runs clean, earns full marks and carries the outputs a fresh
-run produces; every exercise notebook fails at each graded cell (with the stub's
-NotImplementedError) and nowhere else; every notebook starts with the bootstrap cell.
+Every solution notebook runs clean in a kernel and carries the outputs a fresh run
+produces; every exercise notebook fails at each graded cell (with the stub's
+NotImplementedError) and nowhere else; every notebook starts with the bootstrap cell;
+and `minillm grade`, with the released exercises as reference, gives each solution full
+marks.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import pytest
 
 from minillm.course.bootstrap import is_bootstrap_cell, repository_url
 from minillm.course.exercises import stale_exercises
-from minillm.course.grading import execute_notebook, graded_cells, read_notebook, score_cells
+from minillm.course.grading import grade_notebooks
+from minillm.course.notebook_io import execute_notebook, graded_cells, read_notebook
 
 from .conftest import ROOT
 
@@ -48,14 +51,13 @@ def code_cells(nb) -> set[int]:
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=ids(SOLUTIONS))
-def test_solution_earns_full_marks_and_stores_its_outputs(path):
+def test_solution_runs_clean_and_stores_its_outputs(path):
     nb = read_notebook(path)
     stored = copy.deepcopy(nb)
     errors = execute_notebook(nb, path.parent, TIMEOUT_S)
     assert {i: e for i, e in errors.items() if e is not None} == {}
     assert set(errors) == code_cells(nb)
-    cells = score_cells(nb, errors)
-    assert cells and all(cell.passed for cell in cells)
+    assert graded_cells(nb)
     for i in code_cells(nb):
         fresh = (nb.cells[i].execution_count, nb.cells[i].outputs)
         assert (stored.cells[i].execution_count, stored.cells[i].outputs) == fresh, (
@@ -73,4 +75,15 @@ def test_exercise_fails_exactly_at_its_graded_cells(path):
     assert set(failed) == set(graded)
     for i, error in failed.items():
         assert error.startswith("NotImplementedError"), f"cell {i} fails for another reason"
-    assert sum(cell.points for cell in score_cells(nb, errors)) == 0
+
+
+@pytest.mark.slow
+def test_the_grader_gives_each_solution_full_marks():
+    """Each solution, graded as a student's submission against the released exercises."""
+    grades, problems = grade_notebooks(SOLUTIONS, ROOT / "exercises", TIMEOUT_S, jobs=2)
+    assert problems == []
+    for path, grade in zip(SOLUTIONS, grades, strict=True):
+        assert grade.reference == str(ROOT / "exercises" / path.name)
+        failed = {e.name: e.error for e in grade.exercises if not e.passed}
+        assert failed == {}, path.name
+        assert grade.points == grade.max_points == sum(graded_cells(read_notebook(path)).values())

@@ -108,15 +108,26 @@ def test_release_writes_the_specified_notebook(project):
     assert nb.cells[3].source == solution.cells[3].source  # graded cells are kept as they are
     assert nb.cells[-1].source == EXPECTED
     for i, cell in enumerate(nb.cells):
-        assert cell.id == f"cell-{i}"
+        assert cell.id == solution.cells[i].id
         assert cell.metadata == {"tags": ["keep"]}
         if cell.cell_type == "code":
             assert cell.outputs == []
             assert cell.execution_count is None
+    recorded = nb.metadata.pop("minillm")
     assert nb.metadata == {
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"},
     }
+    assert recorded["notebook"] == "ch01_fixture"
+    assert [(e["number"], e["name"], e["points"]) for e in recorded["exercises"]] == [
+        (1, "double", 2),
+        (2, "square", 1),
+        (3, "mean", 3),
+    ]
+    double = recorded["exercises"][0]
+    assert double["functions"] == ["double"]
+    assert double["answer_cells"] == {"double": nb.cells[2].source}
+    assert len(double["version"]) == 12
     assert (nb.nbformat, nb.nbformat_minor) == (4, 5)
     nbformat.validate(nb)
 
@@ -127,6 +138,7 @@ def test_release_twice_gives_identical_bytes(project):
     assert release(project.solutions, project.exercises, REPO_URL) == [
         f"wrote {project.exercises / 'ch01_fixture.ipynb'}",
         f"wrote {project.exercises / 'ch02_other.ipynb'}",
+        f"wrote {project.exercises / 'conftest.py'}",
     ]
     first = {p.name: p.read_bytes() for p in project.exercises.iterdir()}
     assert release(project.solutions, project.exercises, REPO_URL) == []
@@ -139,7 +151,10 @@ def test_release_removes_exercises_whose_solution_is_gone(project):
     write_notebook(project.solutions / "ch01_fixture.ipynb", notebook(SOLUTION_CELLS))
     write_notebook(project.exercises / "ch09_old.ipynb", notebook([code("x = 1")]))
     release(project.solutions, project.exercises, REPO_URL)
-    assert sorted(p.name for p in project.exercises.iterdir()) == ["ch01_fixture.ipynb"]
+    assert sorted(p.name for p in project.exercises.iterdir()) == [
+        "ch01_fixture.ipynb",
+        "conftest.py",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -219,10 +234,12 @@ def test_stale_exercises_are_named(project):
     edited = project.exercises / "ch01_fixture.ipynb"
     edited.write_text(edited.read_text().replace("double", "triple"))
     (project.exercises / "ch02_other.ipynb").unlink()
+    (project.exercises / "conftest.py").write_text("")
     write_notebook(project.exercises / "ch03_orphan.ipynb", notebook([code("x = 1")]))
     assert stale_exercises(project.solutions, project.exercises, REPO_URL) == [
         f"{edited}: differs from its solution {project.solutions / 'ch01_fixture.ipynb'}",
         f"{project.exercises / 'ch02_other.ipynb'}: missing",
+        f"{project.exercises / 'conftest.py'}: differs from release's",
         f"{project.exercises / 'ch03_orphan.ipynb'}: has no source in {project.solutions}",
     ]
 

@@ -1,7 +1,9 @@
-"""`minillm grade` and grade_notebook: run notebooks, score the `# GRADED: N points` cells.
+"""`minillm grade`: each exercise's check run on the student's definitions, in a process of
+its own, against a reference.
 
-Each run starts a kernel (a few seconds), so the notebooks are graded once per module
-and the tests read the results.
+Grading starts a sandbox process per reference (a fraction of a second for these small
+fixtures), so the notebooks of a module are graded together once and the tests read the
+results.
 """
 
 from __future__ import annotations
@@ -14,48 +16,41 @@ import nbformat
 import pytest
 
 from minillm.cli.main import main
-from minillm.course.exercises import release
-from minillm.course.grading import grade_notebook, graded_points, write_report
+from minillm.course.grading import (
+    grade_notebook,
+    grade_notebooks,
+    graded_points,
+    match_reference,
+    read_notebook,
+    write_report,
+)
+from minillm.course.sandbox import landlock_abi
 
 from .conftest import (
-    GRADED_POINTS,
     REPO_URL,
+    RIGHT,
     SOLUTION_CELLS,
     code,
+    filled,
+    md,
     notebook,
-    replace_source,
+    released_fixture,
     write_notebook,
 )
 
 TIMEOUT_S = 60
+needs_landlock = pytest.mark.skipif(
+    landlock_abi() < 6, reason="needs Linux Landlock (ABI 6) to confine file access and signals"
+)
 
 
-@pytest.fixture(scope="module")
-def submissions(tmp_path_factory) -> pathlib.Path:
-    """A folder of submissions: correct, the released stub, a wrong answer, a syntax error."""
-    root = tmp_path_factory.mktemp("grading")
-    solutions, folder = root / "solutions", root / "submissions"
-    write_notebook(solutions / "correct.ipynb", notebook(SOLUTION_CELLS))
-    release(solutions, folder, REPO_URL)
-    (folder / "correct.ipynb").rename(folder / "stub.ipynb")
-    write_notebook(folder / "correct.ipynb", notebook(SOLUTION_CELLS))
-    wrong = notebook(SOLUTION_CELLS)
-    replace_source(wrong, 4, "x * x", "2 * x")  # doubles instead of squaring
-    write_notebook(folder / "wrong.ipynb", wrong)
-    syntax = notebook(SOLUTION_CELLS)
-    replace_source(syntax, 6, "len(xs)", "len(xs")
-    write_notebook(folder / "syntax.ipynb", syntax)
-    return folder
+def scores(grade) -> dict[str, int]:
+    return {e.name: e.points for e in grade.exercises}
 
 
-@pytest.fixture(scope="module")
-def grades(submissions):
-    names = ("correct", "stub", "wrong", "syntax")
-    return {name: grade_notebook(submissions / f"{name}.ipynb", TIMEOUT_S) for name in names}
-
-
-def scores(grade) -> dict[int, int]:
-    return {cell.index: cell.points for cell in grade.cells}
+def by_name(grade, name):
+    [exercise] = [e for e in grade.exercises if e.name == name]
+    return exercise
 
 
 def test_graded_points_reads_the_marker():
@@ -66,36 +61,100 @@ def test_graded_points_reads_the_marker():
     assert graded_points("# graded later") is None
 
 
-def test_a_correct_answer_scores_full_points(grades):
-    grade = grades["correct"]
+DEAF_LOOP = """import time
+while True:
+    try:
+        time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass"""
+
+SELF_GRADED = {
+    "correct": RIGHT,
+    "stub": {},
+    "wrong": {**RIGHT, "square": "return 2 * x"},  # doubles instead of squaring
+    "syntax": {**RIGHT, "mean": "return sum(xs) / len(xs"},
+    "crash_first": {**RIGHT, "double": "import os\nos._exit(3)"},
+    "crash_last": {**RIGHT, "mean": "import os\nos._exit(3)"},
+    "hang": {**RIGHT, "square": "while True:\n    pass"},
+    "deaf": {**RIGHT, "square": DEAF_LOOP},
+    "files": {**RIGHT, "double": "return 2 * x * int(open('data.txt').read() == '1')"},
+}
+
+
+@pytest.fixture(scope="module")
+def self_graded(tmp_path_factory) -> dict:
+    """Each SELF_GRADED case, filled in the released exercise and graded on its own checks."""
+    root = tmp_path_factory.mktemp("self")
+    released = released_fixture(root)
+    paths = []
+    for name, answers in SELF_GRADED.items():
+        paths.append(write_notebook(root / name / "ex.ipynb", filled(released, answers)))
+    (root / "files" / "data.txt").write_text("1")
+    grades, problems = grade_notebooks(paths, None, timeout_s=3, jobs=2)
+    assert problems == []
+    return dict(zip(SELF_GRADED, grades, strict=True))
+
+
+def test_a_correct_answer_scores_full_points(self_graded):
+    grade = self_graded["correct"]
     assert grade.error is None
-    assert scores(grade) == GRADED_POINTS
-    assert all(cell.passed and cell.error is None for cell in grade.cells)
+    assert scores(grade) == {"double": 2, "square": 1, "mean": 3}
+    assert all(e.passed and e.error is None for e in grade.exercises)
+    assert [e.number for e in grade.exercises] == [1, 2, 3]
     assert (grade.points, grade.max_points) == (6, 6)
 
 
-def test_the_stub_scores_zero_failing_at_each_graded_cell(grades):
-    grade = grades["stub"]
+def test_the_stub_scores_zero_and_says_it_is_not_answered(self_graded):
+    grade = self_graded["stub"]
     assert grade.error is None
-    assert [cell.index for cell in grade.cells] == [3, 5, 7]
-    for cell in grade.cells:
-        assert not cell.passed
-        assert cell.error == "NotImplementedError: replace this line with your solution"
-    assert (grade.points, grade.max_points) == (0, 6)
+    assert scores(grade) == {"double": 0, "square": 0, "mean": 0}
+    for exercise in grade.exercises:
+        assert (
+            exercise.error == "not answered yet: the starting code still raises NotImplementedError"
+        )
+        assert exercise.checked is None and exercise.where is None
 
 
-def test_a_wrong_answer_loses_exactly_its_cells_points(grades):
-    grade = grades["wrong"]
-    assert scores(grade) == {3: 2, 5: 0, 7: 3}
-    assert grade.cells[1].error == "AssertionError"
-    assert (grade.points, grade.max_points) == (5, 6)
+def test_a_wrong_answer_loses_its_points_and_says_what_failed(self_graded):
+    grade = self_graded["wrong"]
+    assert scores(grade) == {"double": 2, "square": 0, "mean": 3}
+    square = by_name(grade, "square")
+    assert square.error == "AssertionError: square(4) == 16 is false: square(4) = 8"
+    assert square.checked == "assert square(4) == 16"
 
 
-def test_a_syntax_error_fails_only_what_depends_on_it(grades):
-    grade = grades["syntax"]
+def test_a_syntax_error_is_named_at_its_cell(self_graded):
+    grade = self_graded["syntax"]
+    assert scores(grade) == {"double": 2, "square": 1, "mean": 0}
+    error = by_name(grade, "mean").error
+    assert error.startswith("SyntaxError in your answer to exercise 3 (line 3): ")
+
+
+@pytest.mark.parametrize(
+    "case, lost, kept",
+    [("crash_first", "double", {"square": 1, "mean": 3}), ("crash_last", "mean", {"double": 2})],
+)
+def test_a_crash_costs_only_its_exercise(self_graded, case, lost, kept):
+    grade = self_graded[case]
     assert grade.error is None
-    assert scores(grade) == {3: 2, 5: 1, 7: 0}
-    assert grade.cells[2].error == "NameError: name 'mean' is not defined"
+    assert scores(grade) == {**{"double": 2, "square": 1, "mean": 3}, **kept, lost: 0}
+    number = by_name(grade, lost).number
+    assert by_name(grade, lost).error.startswith(
+        f"Crash: the process checking exercise {number} ended (exit status 3)"
+    )
+
+
+@pytest.mark.parametrize("case", ["hang", "deaf"])
+def test_a_check_past_its_time_limit_costs_only_its_exercise(self_graded, case):
+    grade = self_graded[case]
+    assert scores(grade) == {"double": 2, "square": 0, "mean": 3}
+    assert by_name(grade, "square").error == (
+        "Timeout: the check of exercise 2 ran longer than 3 s and was stopped"
+    )
+
+
+def test_files_beside_the_submission_can_be_read(self_graded):
+    assert scores(self_graded["files"])["double"] == 2
 
 
 def test_unreadable_notebooks_are_reported_not_raised(tmp_path):
@@ -104,243 +163,328 @@ def test_unreadable_notebooks_are_reported_not_raised(tmp_path):
     (tmp_path / "no_cells.ipynb").write_text(
         '{"nbformat": 4, "nbformat_minor": 5, "metadata": {}}', encoding="utf-8"
     )
-    garbage = grade_notebook(tmp_path / "garbage.ipynb")
+    grades, _ = grade_notebooks(sorted(tmp_path.glob("*.ipynb")))
+    garbage, as_list, no_cells = grades
     assert garbage.error.startswith("not valid JSON: ")
-    assert (garbage.cells, garbage.points, garbage.max_points) == ([], 0, 0)
-    assert grade_notebook(tmp_path / "list.ipynb").error == (
-        "not a Jupyter notebook (expected a JSON object with nbformat 4)"
-    )
-    assert grade_notebook(tmp_path / "no_cells.ipynb").error.startswith("not a valid notebook: ")
+    assert (garbage.exercises, garbage.points, garbage.max_points) == ([], 0, 0)
+    assert as_list.error == "not a Jupyter notebook (expected a JSON object with nbformat 4)"
+    assert no_cells.error.startswith("not a valid notebook: ")
 
 
-def test_a_dead_kernel_is_reported_with_the_points_at_stake(tmp_path):
-    nb = notebook(
-        [
-            code("# GRADED: 1 point\nassert True"),
-            code("import os\nos._exit(1)"),
-            code("# GRADED: 2 points"),
-        ]
-    )
-    grade = grade_notebook(write_notebook(tmp_path / "dies.ipynb", nb), TIMEOUT_S)
-    assert grade.error == "did not run: DeadKernelError: Kernel died"
-    assert (grade.points, grade.max_points) == (0, 3)
-    assert all(cell.error == "not run" for cell in grade.cells)
+# ---------------------------------------------------------------------------------------
+# Against a reference
 
 
-def test_a_cell_past_the_timeout_fails_and_the_next_cells_still_run(tmp_path):
-    nb = notebook(
-        [
-            code("# GRADED: 1 point\nimport time\ntime.sleep(60)"),
-            code("# GRADED: 2 points\nassert 1 + 1 == 2"),
-        ]
-    )
-    grade = grade_notebook(write_notebook(tmp_path / "slow.ipynb", nb), timeout_s=2)
+@pytest.fixture(scope="module")
+def tampered(tmp_path_factory) -> pathlib.Path:
+    """The released exercise as reference, and submissions that edit it in other ways."""
+    root = tmp_path_factory.mktemp("tampered")
+    released = released_fixture(root)
+    # square is wrong, its check weakened so that the wrong answer passes, and a check of
+    # the student's own worth 50 points added
+    weakened = filled(released, {**RIGHT, "square": "return 2 * x"})
+    weakened.cells[5].source = "# GRADED: 1 point\nassert True"
+    weakened.cells.append(code("# GRADED: 50 points\nassert True"))
+    write_notebook(root / "class" / "weakened.ipynb", weakened)
+    # every check deleted; the answers are right
+    deleted = filled(released, RIGHT)
+    deleted.cells = [c for c in deleted.cells if graded_points(c.source) is None]
+    write_notebook(root / "class" / "deleted.ipynb", deleted)
+    # a tool gave every cell a new id and the student duplicated a check; square is wrong
+    renamed = filled(released, {**RIGHT, "square": "return x + x"})
+    renamed.cells.insert(6, nbformat.from_dict(dict(renamed.cells[5])))
+    for i, cell in enumerate(renamed.cells):
+        cell.id = f"other-{i}"
+    del renamed.metadata["minillm"]
+    write_notebook(root / "class" / "renamed.ipynb", renamed)
+    return root
+
+
+@pytest.fixture(scope="module")
+def against_reference(tampered):
+    names = ("weakened", "deleted", "renamed")
+    paths = [tampered / "class" / f"{n}.ipynb" for n in names]
+    grades, problems = grade_notebooks(paths, tampered / "exercises" / "ex.ipynb", TIMEOUT_S)
+    assert problems == []
+    return dict(zip(names, grades, strict=True))
+
+
+def test_without_a_reference_the_notebook_grades_itself(tampered):
+    grade = grade_notebook(tampered / "class" / "weakened.ipynb", TIMEOUT_S)
+    assert (grade.points, grade.max_points) == (56, 56)
+
+
+def test_checks_and_points_come_from_the_reference(against_reference):
+    grade = against_reference["weakened"]
     assert grade.error is None
-    assert scores(grade) == {1: 0, 2: 2}
-    assert grade.cells[0].error == "Timeout: the cell ran longer than 2 s and was interrupted"
+    assert scores(grade) == {"double": 2, "square": 0, "mean": 3}
+    assert (grade.points, grade.max_points) == (5, 6)
 
 
-def test_the_kernel_runs_in_the_notebook_folder(tmp_path):
-    (tmp_path / "data.txt").write_text("42")
-    nb = notebook([code("# GRADED: 1 point\nassert open('data.txt').read() == '42'")])
-    grade = grade_notebook(write_notebook(tmp_path / "reads.ipynb", nb), TIMEOUT_S)
-    assert (grade.points, grade.max_points) == (1, 1)
+def test_deleted_checks_are_still_run(against_reference):
+    assert scores(against_reference["deleted"]) == {"double": 2, "square": 1, "mean": 3}
 
 
-def test_json_report_holds_the_numbers(grades, tmp_path):
+def test_answers_are_found_by_their_functions_when_ids_are_lost(against_reference):
+    grade = against_reference["renamed"]
+    assert grade.error is None
+    assert scores(grade) == {"double": 2, "square": 0, "mean": 3}
+
+
+def test_a_solution_notebook_is_a_reference_too(tampered):
+    grade = grade_notebook(
+        tampered / "class" / "renamed.ipynb", TIMEOUT_S, tampered / "solutions" / "ex.ipynb"
+    )
+    assert scores(grade) == {"double": 2, "square": 0, "mean": 3}
+
+
+def test_a_rerelease_with_inserted_cells_grades_old_submissions(tmp_path):
+    old = released_fixture(tmp_path / "old")
+    answers = {**RIGHT, "mean": "return sum(xs) / max(len(xs), 1)"}
+    submission = write_notebook(tmp_path / "alice.ipynb", filled(old, answers))
+    # the author inserts a new first exercise and a markdown cell, and gives mean's starting
+    # code a docstring
+    cells = list(SOLUTION_CELLS)
+    cells[5] = code(cells[5].source.replace("(xs):", '(xs):\n    """Not of [] ."""'), "mean")
+    new_exercise = [
+        md("## Exercise 1: halve (1 point)"),
+        code(
+            "def halve(x):\n    ### BEGIN SOLUTION\n    return x / 2\n    ### END SOLUTION", "halve"
+        ),
+        code("# GRADED: 1 point\nassert halve(3) == 1.5", "halve-check"),
+    ]
+    cells = [
+        cells[0],
+        md("Read the preface first."),
+        *new_exercise,
+        *cells[1:],
+    ]
+    new = released_fixture(tmp_path / "new", cells)
+    grade = grade_notebook(submission, TIMEOUT_S, new)
+    assert grade.error is None
+    assert [(e.number, e.name) for e in grade.exercises] == [
+        (1, "halve"),
+        (2, "double"),
+        (3, "square"),
+        (4, "mean"),
+    ]
+    assert scores(grade) == {"halve": 0, "double": 2, "square": 1, "mean": 3}
+    halve = by_name(grade, "halve")
+    assert halve.error == "no answer: no cell of the notebook defines `halve`"
+    assert halve.notes == [
+        "this exercise is not in your copy of the notebook: it was added after your copy was "
+        "released"
+    ]
+    assert by_name(grade, "double").notes == []
+    assert by_name(grade, "mean").notes == [
+        "the statement or starting code of this exercise changed after your copy was "
+        "released; compare your copy with the current one"
+    ]
+
+
+def test_a_reference_folder_matches_renamed_submissions(tmp_path):
+    released_fixture(tmp_path)
+    other = [
+        md("# Another chapter"),
+        code(
+            "def triple(x):\n    ### BEGIN SOLUTION\n    return 3 * x\n    ### END SOLUTION",
+            "triple",
+        ),
+        code("# GRADED: 1 point\nassert triple(2) == 6", "triple-check"),
+    ]
+    write_notebook(tmp_path / "solutions" / "other.ipynb", notebook(other))
+    from minillm.course.exercises import release
+
+    release(tmp_path / "solutions", tmp_path / "exercises", REPO_URL)
+    released = tmp_path / "exercises" / "ex.ipynb"
+    by_metadata = write_notebook(tmp_path / "alice_ex.ipynb", filled(released, RIGHT))
+    stripped = filled(released, RIGHT)
+    del stripped.metadata["minillm"]
+    by_functions = write_notebook(tmp_path / "bob-final.ipynb", stripped)
+    folder = tmp_path / "exercises"
+    assert match_reference(read_notebook(by_metadata), by_metadata, folder) == (
+        released,
+        "metadata",
+    )
+    assert match_reference(read_notebook(by_functions), by_functions, folder) == (
+        released,
+        "functions it defines",
+    )
+    grades, _ = grade_notebooks([by_metadata, by_functions], folder, TIMEOUT_S)
+    assert [(g.reference, g.points) for g in grades] == [(str(released), 6), (str(released), 6)]
+
+
+# ---------------------------------------------------------------------------------------
+# Isolation
+
+
+@needs_landlock
+def test_submissions_cannot_reach_each_other_or_the_reference(tmp_path):
+    released = released_fixture(tmp_path)
+    bob_path = tmp_path / "class" / "bob.ipynb"
+    # alice's double overwrites bob's notebook and the reference, then answers right
+    targets = [str(bob_path), str(released)]
+    attack = f"for p in {targets!r}:\n    open(p, 'w').write('{{}}')\nreturn 2 * x"
+    alice = write_notebook(
+        tmp_path / "class" / "alice.ipynb", filled(released, {**RIGHT, "double": attack})
+    )
+    # carol's square reads bob's answers
+    spy = f"return len(open({str(bob_path)!r}).read()) and x * x"
+    carol = write_notebook(
+        tmp_path / "class" / "carol.ipynb", filled(released, {**RIGHT, "square": spy})
+    )
+    write_notebook(bob_path, filled(released, RIGHT))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*.ipynb")}
+    grades, problems = grade_notebooks([alice, bob_path, carol], released, TIMEOUT_S, jobs=2)
+    assert problems == []
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*.ipynb")} == before
+    alice_grade, bob_grade, carol_grade = grades
+    assert scores(alice_grade) == {"double": 0, "square": 1, "mean": 3}
+    assert by_name(alice_grade, "double").error.startswith("PermissionError: ")
+    assert scores(bob_grade) == {"double": 2, "square": 1, "mean": 3}
+    assert scores(carol_grade) == {"double": 2, "square": 0, "mean": 3}
+    assert by_name(carol_grade, "square").error.startswith("PermissionError: ")
+
+
+def test_one_submissions_state_does_not_reach_the_next(tmp_path):
+    """Module state set by one student's check is gone for the next student."""
+    released = released_fixture(tmp_path)
+    # the first student's double stores a flag in a module both checks can reach
+    setter = "import json\njson.minillm_flag = True\nreturn 2 * x"
+    reader = "import json\nreturn 2 * x if not hasattr(json, 'minillm_flag') else 0"
+    first = write_notebook(tmp_path / "a.ipynb", filled(released, {**RIGHT, "double": setter}))
+    second = write_notebook(tmp_path / "b.ipynb", filled(released, {**RIGHT, "double": reader}))
+    grades, _ = grade_notebooks([first, second], released, TIMEOUT_S)
+    assert scores(grades[1])["double"] == 2
+
+
+# ---------------------------------------------------------------------------------------
+# Reports and the command line
+
+
+@pytest.fixture(scope="module")
+def class_folder(tmp_path_factory) -> pathlib.Path:
+    """Renamed submissions, as a learning platform names them, and a broken one."""
+    root = tmp_path_factory.mktemp("class")
+    released = released_fixture(root)
+    submissions = root / "submissions"
+    write_notebook(submissions / "alice_ex.ipynb", filled(released, RIGHT))
+    write_notebook(
+        submissions / "bob" / "attempt2.ipynb",
+        filled(released, {**RIGHT, "square": "return 2 * x"}),
+    )
+    write_notebook(submissions / "carol.ipynb", filled(released, {}))
+    (submissions / "dave.ipynb").write_text("{not json", encoding="utf-8")
+    return root
+
+
+def test_cli_grades_a_class_into_a_table_and_reports(class_folder, tmp_path, capsys):
+    report = tmp_path / "grades.csv"
+    feedback = tmp_path / "feedback"
+    argv = [
+        "grade",
+        str(class_folder / "submissions"),
+        "--reference",
+        str(class_folder / "exercises"),
+        "-j",
+        "2",
+        "--report",
+        str(report),
+        "--feedback",
+        str(feedback),
+    ]
+    assert main(argv) == 1  # dave's notebook could not be read
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[0] == f"checks from {class_folder / 'exercises' / 'ex.ipynb'}"
+    assert lines[1].split() == ["student", "1", "2", "3", "total"]
+    assert lines[2].split() == ["alice_ex", "2", "1", "3", "6/6"]
+    assert lines[3].split() == ["bob/attempt2", "2", "0", "3", "5/6"]
+    assert lines[4].split() == ["carol", "0", "0", "0", "0/6"]
+    assert lines[5].split()[:3] == ["dave", "-", "-"]
+    assert "not graded: not valid JSON" in lines[5]
+    assert lines[6].split() == ["max", "2", "1", "3"]
+    assert lines[7] == "exercises: 1 double, 2 square, 3 mean"
+    with report.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [
+        (r["student"], r["1 double"], r["2 square"], r["3 mean"], r["points"]) for r in rows
+    ] == [
+        ("alice_ex", "2", "1", "3", "6"),
+        ("bob/attempt2", "2", "0", "3", "5"),
+        ("carol", "0", "0", "0", "0"),
+        ("dave", "", "", "", "0"),
+    ]
+    with report.with_name("grades.exercises.csv").open(newline="") as f:
+        detail = list(csv.DictReader(f))
+    bob_square = [r for r in detail if r["student"] == "bob/attempt2" and r["name"] == "square"]
+    assert bob_square[0]["error"] == "AssertionError: square(4) == 16 is false: square(4) = 8"
+    assert bob_square[0]["checked"] == "assert square(4) == 16"
+    text = (feedback / "bob__attempt2.txt").read_text()
+    assert "square(4) == 16 is false: square(4) = 8" in text
+    assert text.splitlines()[-1].split() == ["total", "5/6"]
+
+
+def test_json_report_holds_each_exercise(class_folder, tmp_path):
+    grades, _ = grade_notebooks(
+        [class_folder / "submissions" / "bob" / "attempt2.ipynb"],
+        class_folder / "exercises",
+        TIMEOUT_S,
+    )
     report = tmp_path / "grades.json"
-    write_report(list(grades.values()), report)
-    data = json.loads(report.read_text())
-    by_name = {pathlib.Path(nb["path"]).stem: nb for nb in data["notebooks"]}
-    assert {name: (nb["points"], nb["max_points"]) for name, nb in by_name.items()} == {
-        "correct": (6, 6),
-        "stub": (0, 6),
-        "wrong": (5, 6),
-        "syntax": (3, 6),
-    }
-    assert by_name["wrong"]["cells"][1] == {
-        "cell": 5,
+    write_report(grades, report)
+    [nb] = json.loads(report.read_text())["notebooks"]
+    assert (nb["points"], nb["max_points"], nb["error"]) == (5, 6, None)
+    square = nb["exercises"][1]
+    assert {k: square[k] for k in ("exercise", "name", "points", "max_points", "passed")} == {
+        "exercise": 2,
+        "name": "square",
         "points": 0,
         "max_points": 1,
         "passed": False,
-        "error": "AssertionError",
     }
+    assert square["checked"] == "assert square(4) == 16"
 
 
-def test_csv_report_has_a_row_per_graded_cell_and_a_total(grades, tmp_path):
-    report = tmp_path / "grades.csv"
-    write_report([grades["wrong"]], report)
-    with report.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert [(r["cell"], r["points"], r["max_points"], r["passed"]) for r in rows] == [
-        ("3", "2", "2", "True"),
-        ("5", "0", "1", "False"),
-        ("7", "3", "3", "True"),
-        ("total", "5", "6", ""),
-    ]
-    assert rows[1]["error"] == "AssertionError"
-    assert {r["notebook"] for r in rows} == {str(grades["wrong"].path)}
+def test_cli_one_notebook_shows_its_feedback(class_folder, capsys):
+    path = class_folder / "submissions" / "bob" / "attempt2.ipynb"
+    assert main(["grade", str(path), "--reference", str(class_folder / "exercises")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["exercise", "name", "points", "result"]
+    assert lines[2].split() == ["1", "double", "2/2", "passed"]
+    assert lines[3].split()[:4] == ["2", "square", "0/1", "failed:"]
+    assert lines[4].split() == ["checked:", "assert", "square(4)", "==", "16"]
+    assert lines[-1].split() == ["total", "5/6"]
 
 
-def test_cli_grades_folders_reports_bad_paths_and_continues(submissions, tmp_path, capsys):
-    folder = tmp_path / "class"
-    folder.mkdir()
-    (folder / "a_broken.ipynb").write_text("{not json", encoding="utf-8")
-    write_notebook(folder / "student" / "b_correct.ipynb", notebook(SOLUTION_CELLS))
-    (tmp_path / "notes.txt").write_text("hello")
-    report = tmp_path / "grades.csv"
+def test_cli_reports_bad_paths_and_continues(class_folder, tmp_path, capsys):
     missing = tmp_path / "missing.ipynb"
-
-    status = main(
-        ["grade", str(missing), str(folder), str(tmp_path / "notes.txt"), "--report", str(report)]
-    )
-
+    (tmp_path / "notes.txt").write_text("hello")
+    good = class_folder / "submissions" / "alice_ex.ipynb"
+    status = main(["grade", str(missing), str(tmp_path / "notes.txt"), str(good)])
     assert status == 1
     out, err = capsys.readouterr()
-    assert err.splitlines() == [
+    assert err.splitlines()[:2] == [
         f"minillm grade: {missing}: no such file or folder",
         f"minillm grade: {tmp_path / 'notes.txt'}: not a notebook (expected an .ipynb file "
         "or a folder)",
     ]
-    lines = out.splitlines()
-    assert lines[0].split() == ["notebook", "cell", "points", "result"]
-    broken, correct = str(folder / "a_broken.ipynb"), str(folder / "student" / "b_correct.ipynb")
-    assert lines[1].split()[:4] == [broken, "total", "0/0", "could"]
-    assert lines[-1].split() == [correct, "total", "6/6"]
-    with report.open(newline="") as f:
-        totals = [(r["notebook"], r["points"]) for r in csv.DictReader(f) if r["cell"] == "total"]
-    assert totals == [(broken, "0"), (correct, "6")]
+    assert out.splitlines()[-1].split() == ["total", "6/6"]
 
 
-def test_cli_exit_status_is_0_when_everything_ran_whatever_the_score(submissions, capsys):
-    assert main(["grade", str(submissions / "stub.ipynb"), "--timeout", "30"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].split()[-2:] == ["total", "0/6"]
+def test_cli_exit_status_is_0_when_everything_was_graded_whatever_the_score(class_folder):
+    assert main(["grade", str(class_folder / "submissions" / "carol.ipynb")]) == 0
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["grade", "x.ipynb", "--report", "grades.txt"], ["grade", "x.ipynb", "--timeout", "0"]],
+    [
+        ["grade", "x.ipynb", "--report", "grades.txt"],
+        ["grade", "x.ipynb", "--timeout", "0"],
+        ["grade", "x.ipynb", "--jobs", "0"],
+        ["grade", "x.ipynb", "--reference", "no/such/folder"],
+    ],
 )
 def test_cli_rejects_bad_options_before_grading(argv, capsys):
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith("minillm grade: ")
-
-
-STUB = 'raise NotImplementedError("replace this line with your solution")'
-
-
-def filled_in(released: pathlib.Path, answers: dict[int, str]) -> nbformat.NotebookNode:
-    """The released notebook with the stub of cell i replaced by `answers[i]`."""
-    nb = nbformat.read(released, as_version=4)
-    for index, answer in answers.items():
-        replace_source(nb, index, STUB, answer)
-    return nb
-
-
-@pytest.fixture(scope="module")
-def tampered(tmp_path_factory):
-    """The released exercise as reference, and submissions that edit the checks."""
-    root = tmp_path_factory.mktemp("tampered")
-    write_notebook(root / "solutions" / "ex.ipynb", notebook(SOLUTION_CELLS))
-    release(root / "solutions", root / "reference", REPO_URL)
-    released = root / "reference" / "ex.ipynb"
-    right = {2: "return 2 * x", 6: "return sum(xs) / len(xs)"}
-    # square is wrong, and its check is weakened so that the wrong answer passes
-    weakened = filled_in(released, {**right, 4: "return 2 * x"})
-    weakened.cells[5].source = "# GRADED: 1 point\nassert True"
-    # a check the student wrote for themselves, worth a lot
-    weakened.cells.append(code("# GRADED: 50 points\nassert True"))
-    write_notebook(root / "class" / "weakened" / "ex.ipynb", weakened)
-    # the check of mean is deleted; the other answers are right
-    deleted = filled_in(released, {**right, 4: "return x * x"})
-    del deleted.cells[7]
-    write_notebook(root / "class" / "deleted" / "ex.ipynb", deleted)
-    # a tool gave every cell a new id; answers right, square's check weakened again
-    renamed = filled_in(released, {**right, 4: "return x + x"})
-    renamed.cells[5].source = "# GRADED: 1 point\nassert True"
-    for i, cell in enumerate(renamed.cells):
-        cell.id = f"other-{i}"
-    write_notebook(root / "class" / "renamed" / "ex.ipynb", renamed)
-    # new ids and one graded cell fewer: nothing to match by
-    unmatched = nbformat.from_dict(dict(renamed))
-    del unmatched.cells[7]
-    write_notebook(root / "class" / "unmatched" / "ex.ipynb", unmatched)
-    return root
-
-
-def test_without_a_reference_edited_checks_count(tampered):
-    grade = grade_notebook(tampered / "class" / "weakened" / "ex.ipynb", TIMEOUT_S)
-    assert (grade.points, grade.max_points) == (56, 56)
-
-
-def test_the_reference_restores_edited_checks_and_ignores_added_ones(tampered):
-    grade = grade_notebook(
-        tampered / "class" / "weakened" / "ex.ipynb", TIMEOUT_S, tampered / "reference"
-    )
-    assert grade.error is None
-    assert scores(grade) == {3: 2, 5: 0, 7: 3}
-    assert grade.cells[1].error == "AssertionError"
-    assert (grade.points, grade.max_points) == (5, 6)
-
-
-def test_a_deleted_check_scores_zero_with_the_reference(tampered):
-    grade = grade_notebook(
-        tampered / "class" / "deleted" / "ex.ipynb", TIMEOUT_S, tampered / "reference" / "ex.ipynb"
-    )
-    assert grade.error is None
-    assert scores(grade) == {3: 2, 5: 1, 7: 0}
-    assert grade.cells[2].error == "missing from the submission"
-
-
-def test_graded_cells_are_matched_in_order_when_no_id_matches(tampered):
-    grade = grade_notebook(
-        tampered / "class" / "renamed" / "ex.ipynb", TIMEOUT_S, tampered / "reference"
-    )
-    assert grade.error is None
-    assert scores(grade) == {3: 2, 5: 0, 7: 3}
-
-
-def test_unmatchable_graded_cells_fail_with_a_reason(tampered):
-    grade = grade_notebook(
-        tampered / "class" / "unmatched" / "ex.ipynb", TIMEOUT_S, tampered / "reference"
-    )
-    assert grade.error == (
-        "cannot grade: cell ids differ from the reference's and the submission has 2 graded "
-        "cells where the reference has 3"
-    )
-    assert (grade.points, grade.max_points) == (0, 6)
-    assert [cell.index for cell in grade.cells] == [3, 5, 7]
-
-
-def test_a_missing_reference_is_reported_per_submission(tampered, tmp_path):
-    grade = grade_notebook(tampered / "class" / "deleted" / "ex.ipynb", TIMEOUT_S, tmp_path)
-    assert grade.error == f"reference {tmp_path / 'ex.ipynb'}: cannot read: " + (
-        f"[Errno 2] No such file or directory: '{tmp_path / 'ex.ipynb'}'"
-    )
-    assert grade.cells == []
-
-
-def test_cli_grades_against_a_reference_folder(tampered, tmp_path, capsys):
-    report = tmp_path / "grades.json"
-    submission = tampered / "class" / "weakened" / "ex.ipynb"
-    argv = ["grade", str(submission), "--reference", str(tampered / "reference")]
-    assert main([*argv, "--report", str(report)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].split() == [str(submission), "total", "5/6"]
-    assert json.loads(report.read_text())["notebooks"][0]["points"] == 5
-    assert main(["grade", str(submission), "--reference", str(tmp_path / "nope")]) == 2
-    assert "--reference" in capsys.readouterr().err
-
-
-def test_cli_says_where_cut_messages_are_whole(tmp_path, capsys):
-    long_message = "the answer is " + "very " * 40 + "wrong"
-    cells = [code(f"# GRADED: 1 points\nassert False, {long_message!r}")]
-    path = write_notebook(tmp_path / "long.ipynb", notebook(cells, bootstrap=False))
-    assert main(["grade", str(path), "--timeout", "30"]) == 0
-    out, err = capsys.readouterr()
-    (row,) = [line for line in out.splitlines() if "failed:" in line]
-    assert row.endswith("...") and long_message not in row
-    assert "--report FILE.json keeps them whole" in err
-    report = tmp_path / "grades.json"
-    assert main(["grade", str(path), "--timeout", "30", "--report", str(report)]) == 0
-    assert long_message in report.read_text()
-    assert capsys.readouterr().err == ""

@@ -1,0 +1,973 @@
+"""Where grading runs the checks: a process that only runs the reference's code, and one
+child process per submission and exercise, in which the student's definitions meet the
+check.
+
+`python -I -m minillm.course.sandbox` reads a job (JSON, on stdin) and writes one event per
+line on stdout. The process runs the reference's setup cells (and the starters of its
+answer cells) in order, in a namespace of its own, as a notebook would. It never runs a
+line a student wrote. At each check cell it forks, for each submission, a child that:
+
+1. moves into a fresh folder holding a copy of the files beside the submission, and, where
+   Linux's Landlock is available, confines itself so that it can write only there, read
+   only the Python installation, the installed packages and system folders, open no
+   network connection, and signal no other process;
+2. takes the student's *definitions* (def, class, import, and assignments of values that
+   call no code but a few builtins) from the student's cells up to this exercise, in a
+   copy of the namespace, so that the student's functions keep their own globals. Other
+   top-level statements (prints, tests, calls, IPython magics) are not run;
+3. runs the reference's check in the namespace with the student's new names added;
+   names the reference defines keep the reference's values;
+4. compares the modules the check relies on with a snapshot taken before the student's
+   code ran: a function, class or module attribute of minillm, kernels, hypothesis, the
+   standard library or torch rebound or changed, a table of minillm's changed, sys's hooks
+   replaced, or a value of the reference's namespace modified, fails the exercise.
+
+A child that crashes or runs past its time limit loses only that exercise: the time
+limit kills its whole process group. The result of each child is reported as soon as it
+is decided. A function the check calls runs inside the child while the check runs, so
+code written to attack this process itself (reading the grader's memory, writing to its
+result pipe) is beyond what these measures stop: grade an exam inside a container.
+
+This module imports only the standard library: it is loaded in every grading process.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import ctypes
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import re
+import secrets
+import selectors
+import shutil
+import signal
+import sys
+import time
+import traceback
+import types
+
+# ---------------------------------------------------------------------------------------
+# The student's definitions
+
+# calls allowed in a top-level assignment the grader takes: pure builtins that build values
+VALUE_BUILTINS = frozenset(
+    "abs bool bytes complex dict enumerate float frozenset int len list max min range "
+    "reversed round set sorted str sum tuple zip".split()
+)
+
+
+def _calls_only_builtins(node: ast.AST) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            if not (isinstance(sub.func, ast.Name) and sub.func.id in VALUE_BUILTINS):
+                return False
+        elif isinstance(sub, ast.Await | ast.Yield | ast.YieldFrom | ast.NamedExpr):
+            return False
+    return True
+
+
+def _assigns_names(targets: list[ast.expr]) -> bool:
+    def plain(target: ast.expr) -> bool:
+        if isinstance(target, ast.Name):
+            return True
+        if isinstance(target, ast.Tuple | ast.List):
+            return all(plain(e) for e in target.elts)
+        return False
+
+    return all(plain(t) for t in targets)
+
+
+def is_definition(node: ast.stmt) -> bool:
+    """True for a top-level statement grading takes from a student's cell."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return True
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        return True
+    if isinstance(node, ast.Assign):
+        return _assigns_names(node.targets) and _calls_only_builtins(node.value)
+    if isinstance(node, ast.AnnAssign):
+        return (
+            node.value is not None
+            and _assigns_names([node.target])
+            and _calls_only_builtins(node.value)
+        )
+    return False
+
+
+def definitions(code: str, filename: str) -> list[types.CodeType]:
+    """Each definition of a cell compiled on its own (line numbers kept); raises SyntaxError."""
+    tree = ast.parse(code, filename)
+    return [
+        compile(ast.Module(body=[node], type_ignores=[]), filename, "exec")
+        for node in tree.body
+        if is_definition(node)
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# Failures a student can act on
+
+_MAX_REPR = 300
+
+
+def short_repr(value: object) -> str:
+    try:
+        text = repr(value)
+    except Exception as exc:  # a student's object with a broken __repr__
+        text = f"<{type(value).__name__} whose repr raised {type(exc).__name__}>"
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
+
+
+_OPS = {
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.Is: "is",
+    ast.IsNot: "is not",
+    ast.In: "in",
+    ast.NotIn: "not in",
+}
+
+
+def explain_compare(left_src: str, op: str, right_src: str, left: object, right: object) -> str:
+    """The message of a failed `assert left op right` that has none: what each side was."""
+    return f"{left_src} {op} {right_src} is false: {left_src} = {short_repr(left)}" + (
+        "" if right_src == short_repr(right) else f", {right_src} = {short_repr(right)}"
+    )
+
+
+def explain_value(src: str, value: object) -> str:
+    return f"{src} is false" + ("" if src == short_repr(value) else f": it is {short_repr(value)}")
+
+
+class _ExplainAsserts(ast.NodeTransformer):
+    """`assert a == b` (no message) -> evaluate a and b once, raise with both values."""
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+        self.count = 0
+
+    def visit_Assert(self, node: ast.Assert) -> ast.AST | list[ast.stmt]:
+        if node.msg is not None:
+            return node
+        self.count += 1
+        n = self.count
+        test = node.test
+        src = ast.get_source_segment(self.code, test) or ast.unparse(test)
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]) in _OPS:
+            left_name, right_name = f"_minillm_left_{n}", f"_minillm_right_{n}"
+            left_src = ast.get_source_segment(self.code, test.left) or ast.unparse(test.left)
+            right_src = ast.get_source_segment(self.code, test.comparators[0]) or ast.unparse(
+                test.comparators[0]
+            )
+            op = _OPS[type(test.ops[0])]
+            template = (
+                f"{left_name} = 0\n{right_name} = 0\n"
+                f"if not ({left_name} {op} {right_name}):\n"
+                f"    raise AssertionError(_minillm_explain_compare("
+                f"{left_src!r}, {op!r}, {right_src!r}, {left_name}, {right_name}))\n"
+            )
+            body = _located(ast.parse(template).body, node)
+            body[0].value = test.left
+            body[1].value = test.comparators[0]
+        else:
+            value_name = f"_minillm_value_{n}"
+            template = (
+                f"{value_name} = 0\n"
+                f"if not {value_name}:\n"
+                f"    raise AssertionError(_minillm_explain_value({src!r}, {value_name}))\n"
+            )
+            body = _located(ast.parse(template).body, node)
+            body[0].value = test
+        return body
+
+
+def _located(body: list[ast.stmt], node: ast.AST) -> list[ast.stmt]:
+    """Give every node of a code template the location of `node` (the assert it replaces)."""
+    for stmt in body:
+        for sub in ast.walk(stmt):
+            if "lineno" in sub._attributes:
+                ast.copy_location(sub, node)
+    return body
+
+
+def compile_check(code: str, filename: str) -> types.CodeType:
+    """A check cell compiled so that a bare failed assert says what its sides were."""
+    tree = ast.parse(code, filename)
+    tree = _ExplainAsserts(code).visit(tree)
+    ast.fix_missing_locations(tree)
+    return compile(tree, filename, "exec")
+
+
+CHECK_HELPERS = {
+    "_minillm_explain_compare": explain_compare,
+    "_minillm_explain_value": explain_value,
+}
+
+
+def _first_line(text: str) -> str:
+    text = text.strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _hypothesis_example(exc: BaseException) -> str | None:
+    """Hypothesis's 'Falsifying example: check(x=1)' note, on one line."""
+    for note in getattr(exc, "__notes__", []) or []:
+        if note.startswith("Falsifying example"):
+            body = note.split(":", 1)[1]
+            return " ".join(body.split()).replace("( ", "(").replace(", )", ")")
+    return None
+
+
+def describe_failure(exc: BaseException, sources: dict[str, str]) -> dict:
+    """What failed, in terms a student can act on.
+
+    `sources` maps the filenames of the check and of the student's cells to their code.
+    Returns {"error": one line, "message": the whole message, "input": hypothesis's
+    falsifying example or None, "checked": the check's line that failed or None,
+    "where": the student's line that raised or None}.
+    """
+    more = 0
+    group = getattr(exc, "exceptions", None)  # an ExceptionGroup (a backport's on 3.10)
+    if isinstance(group, tuple) and group and isinstance(group[0], BaseException):
+        more = len(group) - 1
+        example = _hypothesis_example(exc)
+        exc = exc.exceptions[0]
+        example = _hypothesis_example(exc) or example
+    else:
+        example = _hypothesis_example(exc)
+    name = type(exc).__name__
+    message = str(exc)
+    error = f"{name}: {_first_line(message)}" if _first_line(message) else name
+    if more:
+        error += f" (and {more} other distinct failure{'s' if more > 1 else ''})"
+    checked = where = None
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        filename = frame.f_code.co_filename
+        if filename not in sources:
+            continue
+        lines = sources[filename].split("\n")
+        line = lines[lineno - 1].strip() if 0 < lineno <= len(lines) else ""
+        if filename.startswith("<check"):
+            checked = line
+        else:
+            where = f"{filename[1:-1]}, line {lineno}: {line}"
+    return {
+        "error": error,
+        "message": message,
+        "input": example,
+        "checked": checked,
+        "where": where,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# What the student's code may not change
+
+OWN_PACKAGES = ("minillm", "kernels", "builtins", "__main__")  # every attribute counts
+DEEP_PACKAGES = ("minillm", "kernels", "hypothesis", "torch", "numpy", "__main__")
+SKIPPED_ATTRIBUTES = re.compile(r"^(__warningregistry__|__loader__|__spec__|_abc_.*|__cached__)$")
+
+
+def _own(module_name: str) -> bool:
+    return module_name.split(".")[0] in OWN_PACKAGES
+
+
+def _public(module_name: str) -> bool:
+    return not any(part.startswith("_") for part in module_name.split("."))
+
+
+def _deep(module_name: str) -> bool:
+    """Modules whose functions' code and classes' members are compared too."""
+    if _own(module_name):
+        return True
+    top = module_name.split(".")[0]
+    return _public(module_name) and (top in DEEP_PACKAGES or top in sys.stdlib_module_names)
+
+
+def _behaves(value: object) -> bool:
+    """Code, as opposed to data: what another library may not have rebound under it."""
+    return callable(value) or isinstance(value, types.ModuleType)
+
+
+def _function_state(fn: types.FunctionType) -> tuple:
+    cells = tuple(id(c.cell_contents) if _cell_full(c) else None for c in (fn.__closure__ or ()))
+    return (id(fn.__code__), id(fn.__defaults__), id(fn.__kwdefaults__), cells)
+
+
+def _cell_full(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
+
+
+def _container_state(value: object) -> tuple | None:
+    """The identities of a container's items (a dict's keys too), or None for a non-container."""
+    if isinstance(value, dict):
+        return tuple(
+            (k if isinstance(k, str | int | float) else id(k), id(v))
+            for k, v in list(value.items())
+        )
+    if isinstance(value, set | frozenset):
+        return tuple(sorted(id(v) for v in value))
+    if isinstance(value, list | tuple):
+        return tuple(id(v) for v in value)
+    return None
+
+
+def _class_state(cls: type) -> tuple:
+    return tuple(
+        sorted(
+            (member, _function_state(v) if isinstance(v, types.FunctionType) else id(v))
+            for member, v in list(vars(cls).items())
+            if not SKIPPED_ATTRIBUTES.match(member)
+        )
+    )
+
+
+def _watched(name: str, attr: str, value: object) -> bool:
+    """Whether rebinding `attr` of module `name` counts as tampering."""
+    if SKIPPED_ATTRIBUTES.match(attr) or name == "sys":  # sys's hooks are compared apart
+        return False
+    if _own(name):
+        return True
+    return _public(name) and not attr.startswith("_") and _behaves(value)
+
+
+class Snapshot:
+    """What the student's code must not change: the modules the checks use, sys's hooks, and
+    the containers of the notebook's setup namespace.
+
+    minillm's and kernels' modules count in full: every attribute, every function's code,
+    defaults and closure, every class's members, every table's items. Other libraries'
+    public modules count for the functions, classes and modules they expose (their data,
+    such as caches, changes as they run); the public modules of torch, numpy, hypothesis
+    and the standard library also count for their functions' code and classes' members.
+    """
+
+    def __init__(self, namespace: dict) -> None:
+        self.namespace = namespace
+        self.modules: dict[str, tuple[int, dict[str, int]]] = {}
+        self.deep: dict[tuple[str, str], tuple] = {}
+        for name, module in list(sys.modules.items()):
+            attrs = getattr(module, "__dict__", None)
+            if not isinstance(attrs, dict):
+                continue
+            self.modules[name] = (
+                id(module),
+                {k: id(v) for k, v in list(attrs.items()) if _watched(name, k, v)},
+            )
+            if _deep(name):
+                for attr, value in list(attrs.items()):
+                    state = self._deep_state(name, attr, value)
+                    if state is not None:
+                        self.deep[name, attr] = state
+        self.values = {
+            key: state
+            for key, value in namespace.items()
+            if (state := _container_state(value)) is not None
+        }
+        self.hooks = self._hooks()
+
+    @staticmethod
+    def _deep_state(name: str, attr: str, value: object) -> tuple | None:
+        if isinstance(value, types.FunctionType) and value.__module__ == name:
+            return _function_state(value)
+        if isinstance(value, type) and value.__module__ == name:
+            return _class_state(value)
+        if _own(name) and not attr.startswith("__"):
+            return _container_state(value)
+        return None
+
+    @staticmethod
+    def _hooks() -> tuple:
+        import threading
+
+        return (
+            id(sys.gettrace()),
+            id(sys.getprofile()),
+            id(threading.gettrace()) if hasattr(threading, "gettrace") else 0,
+            tuple(id(f) for f in sys.meta_path),
+            tuple(id(h) for h in sys.path_hooks),
+            id(sys.modules),
+            id(builtins.__import__),
+        )
+
+    def changes(self, limit: int = 5) -> list[str]:
+        """What differs from the snapshot: up to `limit` names."""
+        found: list[str] = []
+        if self._hooks() != self.hooks:
+            found.append("the interpreter's hooks (sys.settrace, sys.meta_path or __import__)")
+        for name, (module_id, attrs) in self.modules.items():
+            module = sys.modules.get(name)
+            if module is None or id(module) != module_id:
+                if _own(name) or (_deep(name) and name in sys.modules):
+                    found.append(f"the module {name} (replaced or removed from sys.modules)")
+                continue
+            now = getattr(module, "__dict__", {})
+            found.extend(
+                f"{name}.{attr}"
+                for attr, value_id in attrs.items()
+                if attr not in now or id(now[attr]) != value_id
+            )
+        for (name, attr), state in self.deep.items():
+            module = sys.modules.get(name)
+            value = getattr(module, "__dict__", {}).get(attr) if module else None
+            key = f"{name}.{attr}"
+            if self._deep_state(name, attr, value) != state and key not in found:
+                found.append(key)
+        for key, state in self.values.items():
+            if _container_state(self.namespace.get(key)) != state:
+                found.append(f"{key} (a value of the notebook's setup)")
+        return found[:limit]
+
+
+# ---------------------------------------------------------------------------------------
+# Landlock: what a child may read and write
+
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 38, 1, 36
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FS_TRUNCATE, FS_IOCTL_DEV = 1 << 14, 1 << 15
+NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1
+SYSTEM_READ_ROOTS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def landlock_abi() -> int:
+    """The Landlock ABI version of this kernel; 0 where there is none (or not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        abi = _libc().syscall(
+            ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET), None, ctypes.c_size_t(0), ctypes.c_uint32(1)
+        )
+    except (OSError, AttributeError):
+        return 0
+    return max(int(abi), 0)
+
+
+def read_roots(protected: list[str]) -> list[str]:
+    """Folders a child may read: Python, its packages, system folders.
+
+    A folder that holds any of the `protected` paths (the reference, the submissions) is
+    left out; a package installed in editable mode is allowed its own folder only.
+    """
+    candidates = set(SYSTEM_READ_ROOTS)
+    candidates.update((sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix))
+    candidates.update(p for p in sys.path if p and os.path.isdir(p))
+    for package in ("minillm", "kernels"):
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            candidates.update(spec.submodule_search_locations)
+    protected_real = [os.path.realpath(p) for p in protected]
+    roots = []
+    for root in sorted(candidates):
+        real = os.path.realpath(root)
+        if not os.path.exists(real):
+            continue
+        if any(p == real or p.startswith(real.rstrip("/") + "/") for p in protected_real):
+            continue
+        roots.append(real)
+    return roots
+
+
+def confine(abi: int, writable: str, readable: list[str]) -> None:
+    """Restrict this process and its children with Landlock (irreversibly).
+
+    Raises OSError when the kernel refuses.
+    """
+    libc = _libc()
+    handled_fs = (1 << 13) - 1
+    if abi >= 2:
+        handled_fs |= 1 << 13  # REFER
+    if abi >= 3:
+        handled_fs |= FS_TRUNCATE
+    if abi >= 5:
+        handled_fs |= FS_IOCTL_DEV
+    attr = _RulesetAttr(handled_fs, 0, 0)
+    size = 8
+    if abi >= 4:
+        attr.handled_access_net = NET_BIND_TCP | NET_CONNECT_TCP
+        size = 16
+    if abi >= 6:
+        attr.scoped = SCOPE_SIGNAL | SCOPE_ABSTRACT_UNIX_SOCKET
+        size = 24
+    ruleset = libc.syscall(
+        ctypes.c_long(SYS_LANDLOCK_CREATE_RULESET),
+        ctypes.byref(attr),
+        ctypes.c_size_t(size),
+        ctypes.c_uint32(0),
+    )
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    file_rights = (FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV) & (
+        handled_fs
+    )
+
+    def allow(path: str, access: int) -> None:
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            if not os.path.isdir(path):
+                access &= file_rights
+            rule = _PathBeneathAttr(access & handled_fs, fd)
+            if libc.syscall(
+                ctypes.c_long(SYS_LANDLOCK_ADD_RULE),
+                ctypes.c_int(ruleset),
+                ctypes.c_int(1),
+                ctypes.byref(rule),
+                ctypes.c_uint32(0),
+            ):
+                raise OSError(ctypes.get_errno(), f"landlock_add_rule failed for {path}")
+        finally:
+            os.close(fd)
+
+    try:
+        for root in readable:
+            allow(root, FS_EXECUTE | FS_READ_FILE | FS_READ_DIR)
+        allow("/dev", FS_READ_DIR)
+        for device in DEVICES:
+            allow(device, FS_READ_FILE | FS_WRITE_FILE)
+        allow(writable, handled_fs)
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+        if libc.syscall(
+            ctypes.c_long(SYS_LANDLOCK_RESTRICT_SELF), ctypes.c_int(ruleset), ctypes.c_uint32(0)
+        ):
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
+    finally:
+        os.close(ruleset)
+
+
+# ---------------------------------------------------------------------------------------
+# The grading process and its children
+
+
+class SetupTimeout(Exception):
+    """A setup cell of the reference ran past its time limit."""
+
+
+def _on_alarm(signum, frame):
+    raise SetupTimeout
+
+
+@dataclasses.dataclass(slots=True)
+class Child:
+    pid: int
+    submission: int
+    exercise: int
+    fd: int
+    workdir: str
+    nonce: str
+    deadline: float
+    started: float
+    data: bytearray = dataclasses.field(default_factory=bytearray)
+
+
+MAX_RESULT_BYTES = 1 << 20
+OUTPUT_TAIL_CHARS = 2000
+
+
+class Grader:
+    """Runs the reference's steps and the children of each check (the sandbox process)."""
+
+    def __init__(self, job: dict, events) -> None:
+        self.job = job
+        self.events = events
+        self.jobs = max(1, int(job["jobs"]))
+        self.timeout_s = float(job["timeout_s"])
+        self.workdir = job["workdir"]
+        self.abi = landlock_abi() if job.get("confine", True) else 0
+        self.readable = read_roots(job.get("protected", [])) if self.abi else []
+        self.namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
+        self.functions = {f for ex in job["exercises"] for f in ex["functions"]}
+        self.running: dict[int, Child] = {}
+        self.selector = selectors.DefaultSelector()
+        self.count = 0
+
+    def send(self, event: dict) -> None:
+        self.events.write(json.dumps(event) + "\n")
+        self.events.flush()
+
+    # the reference's own code
+
+    def run_setup(self, step: dict) -> None:
+        limit = max(self.timeout_s, float(self.job.get("setup_timeout_s", 0)))
+        signal.signal(signal.SIGALRM, _on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, limit)
+        try:
+            exec(compile(step["source"], f"<cell {step['index']}>", "exec"), self.namespace)
+        except SetupTimeout:
+            self.send({"event": "setup", "cell": step["index"], "error": f"ran past {limit:g} s"})
+        except BaseException as exc:  # the reference's own error: reported, and grading goes on
+            self.send({"event": "setup", "cell": step["index"], "error": _one_line(exc)})
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def run_check(self, step: dict) -> None:
+        k = step["exercise"]
+        exercise = self.job["exercises"][k]
+        filename = f"<check of exercise {exercise['number']}>"
+        try:
+            code = compile_check(step["source"], filename)
+        except SyntaxError as exc:
+            self.send({"event": "setup", "cell": step["index"], "error": _one_line(exc)})
+            return
+        _preimport(step["source"])
+        for i, submission in enumerate(self.job["submissions"]):
+            if k in submission.get("skip", []):
+                continue
+            self.wait_for_slot(exclusive=exercise.get("timing", False))
+            self.fork(i, k, submission, code, filename, step["source"])
+            if exercise.get("timing", False):
+                self.wait_for_slot(exclusive=True)
+
+    # children
+
+    def wait_for_slot(self, exclusive: bool) -> None:
+        limit = 0 if exclusive else self.jobs - 1
+        while len(self.running) > limit:
+            self.poll()
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        timeout = min((c.deadline for c in self.running.values()), default=now + 1) - now
+        for key, _ in self.selector.select(timeout=max(0.0, min(timeout, 1.0))):
+            child = key.data
+            try:
+                chunk = os.read(child.fd, 65536)
+            except BlockingIOError:
+                continue
+            if chunk and len(child.data) < MAX_RESULT_BYTES:
+                child.data.extend(chunk)
+            if not chunk:
+                self.finish(child, timed_out=False)
+        now = time.monotonic()
+        for child in [c for c in self.running.values() if c.deadline <= now]:
+            self.finish(child, timed_out=True)
+
+    def fork(self, i, k, submission, code, filename, check_source) -> None:
+        self.count += 1
+        workdir = os.path.join(self.workdir, f"s{i}-e{k}-{self.count}")
+        os.mkdir(workdir)
+        read_fd, write_fd = os.pipe()
+        nonce = secrets.token_hex(16)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns to this loop
+            try:
+                os.close(read_fd)
+                _child(self, k, submission, code, filename, check_source, workdir, write_fd, nonce)
+            finally:
+                os._exit(1)
+        os.close(write_fd)
+        os.set_blocking(read_fd, False)
+        now = time.monotonic()
+        child = Child(pid, i, k, read_fd, workdir, nonce, now + self.timeout_s, now)
+        self.running[pid] = child
+        self.selector.register(read_fd, selectors.EVENT_READ, child)
+        self.send({"event": "start", "submission": i, "exercise": k})
+
+    def finish(self, child: Child, timed_out: bool) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child.pid, signal.SIGKILL)
+        _, status = os.waitpid(child.pid, 0)
+        self.selector.unregister(child.fd)
+        os.close(child.fd)
+        del self.running[child.pid]
+        _kill_strays(set(self.running))
+        seconds = round(time.monotonic() - child.started, 3)
+        number = self.job["exercises"][child.exercise]["number"]
+        result = None
+        if timed_out:
+            result = {
+                "passed": False,
+                "error": f"Timeout: the check of exercise {number} ran longer than "
+                f"{self.timeout_s:g} s and was stopped",
+            }
+        else:
+            result = _parse_result(bytes(child.data), child.nonce)
+        if result is None:
+            if os.WIFSIGNALED(status):
+                how = f"killed by signal {os.WTERMSIG(status)}"
+            else:
+                how = f"exit status {os.WEXITSTATUS(status)}"
+            result = {
+                "passed": False,
+                "error": f"Crash: the process checking exercise {number} ended ({how}) before "
+                "the check finished: an exit call, a crash in native code, or too much memory",
+            }
+        result["output"] = _tail(os.path.join(child.workdir, "output.txt"))
+        shutil.rmtree(child.workdir, ignore_errors=True)
+        result.update(
+            {
+                "event": "result",
+                "submission": child.submission,
+                "exercise": child.exercise,
+                "seconds": seconds,
+            }
+        )
+        self.send(result)
+
+    def run(self) -> None:
+        self.send({"event": "ready", "landlock": self.abi})
+        if sys.platform.startswith("linux"):
+            _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        for step in self.job["steps"]:
+            if step["kind"] == "setup":
+                self.run_setup(step)
+            else:
+                self.run_check(step)
+        while self.running:
+            self.poll()
+        self.send({"event": "done"})
+
+
+def _one_line(exc: BaseException) -> str:
+    first = _first_line(str(exc))
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text[-OUTPUT_TAIL_CHARS:]
+
+
+def _parse_result(data: bytes, nonce: str) -> dict | None:
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        try:
+            result = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(result, dict) and result.pop("nonce", None) == nonce:
+            return {
+                "passed": result.get("passed") is True,
+                **{
+                    k: result.get(k)
+                    for k in ("error", "message", "input", "checked", "where", "notes")
+                },
+            }
+    return None
+
+
+def _kill_strays(running: set[int]) -> None:
+    """Kill the processes a child left behind (they were handed to this one as orphans)."""
+    try:
+        tasks = os.listdir(f"/proc/{os.getpid()}/task")
+    except OSError:
+        return
+    for task in tasks:
+        try:
+            with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+        for pid in pids:
+            if pid not in running:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+
+
+def _preimport(check_source: str) -> None:
+    """Import what a check imports, before the snapshot, so that it is protected too."""
+    try:
+        tree = ast.parse(check_source)
+    except SyntaxError:
+        return
+    if "torch" in sys.modules:
+        # torch._dynamo rebinds torch functions (torch.manual_seed) when it is first imported
+        with contextlib.suppress(Exception):
+            importlib.import_module("torch._dynamo")
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        for name in names:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
+
+
+def _child(
+    grader: Grader,
+    k: int,
+    submission: dict,
+    code: types.CodeType,
+    filename: str,
+    check_source: str,
+    workdir: str,
+    result_fd: int,
+    nonce: str,
+) -> None:
+    """Run exercise k's check on one submission; writes one JSON line, then exits."""
+    status = 0
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for signum in (signal.SIGALRM, signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+        os.setpgid(0, 0)
+        if sys.platform.startswith("linux"):
+            _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        output = os.open(os.path.join(workdir, "output.txt"), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        os.close(devnull)
+        os.close(output)
+        # the pipes to the caller and to the other children are not the student's to write
+        for fd in (
+            grader.events.fileno(),
+            grader.selector.fileno(),
+            *(c.fd for c in grader.running.values()),
+        ):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        files = submission.get("files")
+        if files and os.path.isdir(files):
+            shutil.copytree(files, workdir, dirs_exist_ok=True)
+        os.chdir(workdir)
+        for var in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "MPLCONFIGDIR"):
+            os.environ[var] = workdir
+        if "torch" in sys.modules:  # the grading process used OpenMP threads before the fork
+            sys.modules["torch"].set_num_threads(1)
+        if grader.abi:
+            confine(grader.abi, workdir, grader.readable)
+        # after the fork (which resets some of threading's state), before the student's code
+        snapshot = Snapshot(grader.namespace)
+        result = _check(grader, submission, k, code, filename, check_source, snapshot)
+    except BaseException as exc:  # the child must report, whatever happened
+        result = {"passed": False, "error": f"the grader failed: {_one_line(exc)}"}
+        status = 1
+    result["nonce"] = nonce
+    try:
+        os.write(result_fd, (json.dumps(result) + "\n").encode())
+    finally:
+        os._exit(status)
+
+
+def _check(grader: Grader, submission, k, code, filename, check_source, snapshot) -> dict:
+    # bound before the student's code runs, so that rebinding the names later changes nothing
+    changes, describe, helpers = snapshot.changes, describe_failure, dict(CHECK_HELPERS)
+    setup = grader.namespace
+    student = dict(setup)
+    sources = {filename: check_source}
+    notes = []
+    for cell in submission["cells"]:
+        if cell["exercise"] > k:
+            continue
+        sources[cell["filename"]] = cell["source"]
+        try:
+            compiled = definitions(cell["source"], cell["filename"])
+        except SyntaxError:
+            continue  # reported by the caller
+        for statement in compiled:
+            try:
+                exec(statement, student)
+            except Exception as exc:
+                line = statement.co_firstlineno
+                notes.append(f"{cell['filename'][1:-1]}, line {line}: {_one_line(exc)}")
+    protected = set(setup) - grader.functions
+    used = _names(check_source)
+    check = dict(setup)
+    for name, value in student.items():
+        if name in setup and setup[name] is value:
+            continue
+        if name in protected:
+            if name in used and not _same(value, setup[name]):
+                notes.append(
+                    f"your code defines {name}, which the notebook's setup defines too: the "
+                    "check uses the setup's, your functions use yours"
+                )
+            continue
+        check[name] = value
+    check.update(helpers)
+    try:
+        exec(code, check)
+    except BaseException as exc:
+        result = {"passed": False, **describe(exc, sources)}
+    else:
+        result = {"passed": True, "error": None}
+    changed = changes()
+    if changed:
+        result = {
+            "passed": False,
+            "error": "Tampering: your code changed "
+            + ", ".join(changed)
+            + ", which the checks rely on",
+        }
+    result["notes"] = notes
+    return result
+
+
+def _names(source: str) -> set[str]:
+    try:
+        return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+    except SyntaxError:
+        return set()
+
+
+def _same(a: object, b: object) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # arrays and tensors compare element by element
+        return False
+
+
+def main() -> int:
+    job = json.load(sys.stdin)
+    events = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    log = os.open(os.path.join(job["workdir"], "setup-output.txt"), os.O_WRONLY | os.O_CREAT, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    Grader(job, events).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
