@@ -68,9 +68,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _stream(llm, prompt: str, params):
     """Print the prompt, then each new piece of text as the engine produces it."""
-    print(prompt, end="", flush=True)
-    output = None
-    for output in llm.stream(prompt, params):
+    stream = llm.stream(prompt, params)
+    output = next(stream)  # a bad prompt raises here, before anything is printed
+    print(prompt + output.outputs[0].delta_text, end="", flush=True)
+    for output in stream:
         print(output.outputs[0].delta_text, end="", flush=True)
     print(flush=True)
     return output

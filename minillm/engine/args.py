@@ -18,6 +18,7 @@ from minillm.core.kv_cache_manager import PREFIX_CACHING_ALGOS
 from minillm.core.scheduler import check_scheduler_options
 from minillm.model.config import ModelConfig
 from minillm.model.loader import DEFAULT_MODEL
+from minillm.sampling_params import MAX_SEED, MIN_SEED
 
 # max_model_len defaults to the model's limit, but at most this: a CPU pool for 40k-token
 # contexts (Qwen3) would be gigabytes
@@ -68,6 +69,12 @@ class EngineArgs:
                 _check_int(name, getattr(self, name), minimum=1)
         if self.kv_cache_memory_bytes is not None:
             _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=0)
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not MIN_SEED <= self.seed <= MAX_SEED
+        ):
+            raise ValueError(f"seed must be an int in [{MIN_SEED}, {MAX_SEED}], got {self.seed!r}")
         if self.num_gpu_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give num_gpu_blocks or kv_cache_memory_bytes, not both")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
@@ -151,7 +158,6 @@ class EngineArgs:
                 f"({min_blocks * block_bytes:,} bytes) or a smaller max_model_len"
             )
         return num_blocks
-
 
 
 def kv_cache_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -30,7 +30,7 @@ from minillm.engine.args import (
 )
 from minillm.engine.metrics import EngineStats
 from minillm.engine.output_processor import OutputProcessor
-from minillm.model.loader import load_model
+from minillm.model.loader import load_model, resolve_device
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
 from minillm.worker.cuda_graphs import CUDA_GRAPH_BACKENDS, CUDAGraphConfig
@@ -48,8 +48,8 @@ class LLMEngine:
         self, engine_args: EngineArgs, clock: Callable[[], float] = time.perf_counter
     ) -> None:
         args = engine_args
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        on_cuda = torch.device(device).type == "cuda"
+        device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        on_cuda = device.type == "cuda"
         backend = args.attention_backend or ("triton" if on_cuda else "torch")
         loaded = load_model(args.model, args.dtype, device, backend)
         self.config = loaded.config
@@ -203,10 +203,6 @@ class LLMEngine:
         if bad:
             raise ValueError(
                 f"stop_token_ids must be in [0, {vocab_size}) for this model, got {bad[:5]}"
-            )
-        if params.logprobs is not None and params.logprobs > vocab_size:
-            raise ValueError(
-                f"logprobs must be <= the vocabulary size ({vocab_size}), got {params.logprobs}"
             )
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(

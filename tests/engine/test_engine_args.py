@@ -86,6 +86,8 @@ def test_an_absurd_pool_is_refused_before_allocating():
         ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be True or False"),
         ({"prefix_caching_algo": "trie"}, "prefix_caching_algo must be one of"),
         ({"stats_window": 0}, "stats_window must be an int >= 1"),
+        ({"seed": 2**64}, "seed must be an int in"),
+        ({"seed": "0"}, "seed must be an int in"),
     ],
 )
 def test_bad_options_are_refused_at_once(options, message):
