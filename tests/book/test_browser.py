@@ -1,6 +1,7 @@
 """Open every built page in headless Chromium: its title shows, its figures load, no error.
 
-Needs Debian's `chromium` (`.ci/run` installs it; by hand: `sudo apt-get install chromium`).
+Needs Debian's `chromium` (`make test` installs it when it may; by hand:
+`sudo apt-get install chromium`).
 The pages are served over HTTP from a thread, and one harness page loads each of them in
 an iframe and reports what a reader would see, as JSON in its DOM.
 """
@@ -115,7 +116,7 @@ def test_pages_render_in_a_real_browser(html_dir):
     if chromium is None:
         pytest.fail(
             "headless Chromium is needed to check the built book: "
-            "`sudo apt-get install chromium` (Debian/Ubuntu); .ci/run installs it"
+            "`sudo apt-get install chromium` (Debian/Ubuntu); make test installs it when it may"
         )
     pages = toc_files()
     harness = HARNESS.replace("PAGES", json.dumps([f"/{p}.html" for p in pages]))
