@@ -187,3 +187,39 @@ def test_the_import_reader_sees_imports_inside_functions():
     # by name; but the lazy import of the measurement in minillm.lab is a real import
     assert "minillm.model.tokenizer" in GRAPH["minillm.model.loader"]
     assert any(t.startswith("minillm.") for t in GRAPH["minillm.lab.kernel_bench"])
+
+
+# packages the serving path may import: the runtime dependencies in pyproject.toml, and the
+# optional extra that fetches checkpoints from the Hugging Face Hub (imported only when asked)
+RUNTIME_PACKAGES = {"torch", "triton", "numpy", "safetensors", "tokenizers", "tqdm"}
+OPTIONAL_PACKAGES = {"huggingface_hub"}
+
+
+def third_party_imports(path: pathlib.Path) -> set[str]:
+    import sys
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"minillm", "kernels", "__future__"}
+
+
+def test_the_engine_installs_with_its_runtime_dependencies_alone():
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    declared = {
+        d.split(">")[0].split("=")[0].split(";")[0].strip()
+        for d in pyproject["project"]["dependencies"]
+    }
+    assert declared == RUNTIME_PACKAGES
+    used = {
+        name: third_party_imports(path)
+        for name, path in MODULES.items()
+        if within(name, SERVING + PUBLIC[1:]) or name == "minillm"
+    }
+    extra = {n: sorted(i - RUNTIME_PACKAGES - OPTIONAL_PACKAGES) for n, i in used.items()}
+    assert {n: i for n, i in extra.items() if i} == {}
