@@ -1,4 +1,5 @@
-"""KV offload versus recompute: when fetching a prefix's KV beats computing it again.
+"""KV offload versus recompute, as a model: when fetching a prefix's KV beats computing it
+again. The engine recomputes preempted requests; this module prices the alternative.
 
 A request's KV that is not on the accelerator (it was preempted, or its prefix was evicted to
 host memory) can come back two ways. Fetch it over the host link: num_tokens * bytes per token
