@@ -85,3 +85,20 @@ def test_engine_stats_prefix_cache_hit_rate():
     assert stats.prefix_cache_hit_rate == 0.0
     stats.prefix_cache_queries, stats.prefix_cache_hits = 40, 30
     assert stats.prefix_cache_hit_rate == 0.75
+
+
+def test_a_request_with_several_completions_is_described_whole():
+    from minillm.core.metrics import merge_request_metrics
+
+    a = RequestMetrics(arrival_time=1.0, first_scheduled_time=2.0, token_times=[3.0, 4.0])
+    a.finished_time = 4.0
+    b = RequestMetrics(arrival_time=1.0, first_scheduled_time=2.0, token_times=[3.0, 4.0, 6.0])
+    b.finished_time = 6.0
+    whole = merge_request_metrics([a, b])
+    assert whole.ttft_s == 2.0  # the first token of any completion
+    assert whole.e2el_s == 5.0  # until the last completion finishes
+    assert whole.token_times == [3.0, 4.0, 6.0]  # one per step that produced output
+    assert whole.tpot_s == (5.0 - 2.0) / 2
+    assert merge_request_metrics([a]) is a
+    running = RequestMetrics(arrival_time=1.0, token_times=[3.0])
+    assert merge_request_metrics([a, running]).finished_time is None
