@@ -9,7 +9,9 @@ there is no device: notional values stand in.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,24 +22,78 @@ NOTIONAL_SM_COUNT = 4  # under the interpreter: small, so that tests see several
 NOTIONAL_SHARED_MEMORY_BYTES = 1 << 30
 
 
+@dataclass(frozen=True, slots=True)
+class AssumedGPU:
+    compute_capability: tuple[int, int]
+    sm_count: int
+
+
+_assumed: AssumedGPU | None = None
+
+
+@contextlib.contextmanager
+def assume_gpu(compute_capability: tuple[int, int], num_sms: int) -> Iterator[None]:
+    """Inside this block the launchers size their tiles, pipelines and splits for a GPU of
+    this compute capability with num_sms SMs, whatever device they are given: what
+    `minillm.lab.aot` needs to compile, without a GPU, exactly what would run on one."""
+    global _assumed
+    if compute_capability not in ARCH_LIMITS:
+        raise ValueError(
+            f"no limits for compute capability {compute_capability}; known: {sorted(ARCH_LIMITS)}"
+        )
+    previous, _assumed = _assumed, AssumedGPU(compute_capability, num_sms)
+    try:
+        yield
+    finally:
+        _assumed = previous
+
+
 @functools.cache
-def _cuda_properties(index: int) -> tuple[int, int]:
+def _cuda_properties(index: int) -> tuple[int, int, tuple[int, int]]:
     import triton
 
     shared = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-    return torch.cuda.get_device_properties(index).multi_processor_count, shared
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, shared, (props.major, props.minor)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def sm_count(device: torch.device) -> int:
+    if _assumed is not None:
+        return _assumed.sm_count
     if INTERPRETED or device.type != "cuda":
         return NOTIONAL_SM_COUNT
-    return _cuda_properties(device.index if device.index is not None else 0)[0]
+    return _cuda_properties(_index(device))[0]
 
 
 def max_shared_memory_bytes(device: torch.device) -> int:
+    if _assumed is not None:
+        return ARCH_LIMITS[_assumed.compute_capability].shared_memory_per_program
     if INTERPRETED or device.type != "cuda":
         return NOTIONAL_SHARED_MEMORY_BYTES
-    return _cuda_properties(device.index if device.index is not None else 0)[1]
+    return _cuda_properties(_index(device))[1]
+
+
+def compute_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device; None under the interpreter or off CUDA."""
+    if _assumed is not None:
+        return _assumed.compute_capability
+    if INTERPRETED or device.type != "cuda":
+        return None
+    return _cuda_properties(_index(device))[2]
+
+
+def tensor_core_dots(itemsize: int, device: torch.device) -> bool:
+    """Whether Triton compiles a kernel's dots for this device to tensor-core instructions:
+    16-bit inputs on Ampere or later (mma.sync, Hopper's wgmma). float32 inputs ask for IEEE
+    dots, and Triton compiles Turing's (sm_75) dots to FMA instructions on the CUDA cores;
+    those kernels keep every operand in registers and need smaller tiles. True for a device
+    it cannot tell (the interpreter, an unknown GPU)."""
+    cc = compute_capability(device)
+    return itemsize == 2 and (cc is None or cc >= (8, 0))
 
 
 def fit_num_stages(

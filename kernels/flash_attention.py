@@ -192,24 +192,42 @@ def _flash_attention_kernel(
     )
 
 
-def tile_shared_bytes(block_m: int, block_n: int, head_dim: int, itemsize: int, stages: int) -> int:
-    """Shared memory of one program's tiles: the q tile and the score tile, plus `stages`
-    pipelined copies of a K tile and a V tile."""
+def tile_shared_bytes(
+    block_m: int, block_n: int, head_dim: int, itemsize: int, stages: int, q_in_shared: bool
+) -> int:
+    """Shared memory of one program's tiles: `stages` pipelined copies of a K tile and a V
+    tile, plus the q tile where the tensor-core instruction reads it from shared memory
+    (Hopper's wgmma; mma.sync reads it from registers). The score tile never goes there: it
+    is the accumulator of the first dot, in registers."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    return (block_m * block_d + block_m * block_n + stages * 2 * block_n * block_d) * itemsize
+    return (q_in_shared * block_m * block_d + stages * 2 * block_n * block_d) * itemsize
 
 
-def tile_config(head_dim: int, itemsize: int, shared_memory_bytes: int) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) on a GPU that gives one program
-    `shared_memory_bytes`: the largest tiles whose q tile, score tile and at least one stage
-    of K/V tiles fit, pipelined up to 3 stages deep. BLOCK_M is a multiple of BLOCK_N: the
-    unmasked tiles must end where a block of rows begins."""
+def tile_config(
+    head_dim: int,
+    itemsize: int,
+    shared_memory_bytes: int,
+    compute_capability: tuple[int, int] | None,
+) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) on a GPU of this compute capability (None:
+    unknown, budgeted like Hopper) that gives one program `shared_memory_bytes`.
+
+    With tensor cores (16-bit inputs on Ampere or later): the largest tiles whose q tile
+    (Hopper) and at least one stage of K/V tiles fit, pipelined up to 3 stages deep.
+    Without them (float32 inputs, which ask for IEEE dots, and Turing, for which Triton
+    compiles dots to FMA instructions) the operands and the accumulators all live in
+    registers: 32 x 32 tiles over 8 warps compile without spilling for head_dim <= 128.
+    BLOCK_M is a multiple of BLOCK_N: the unmasked tiles must end where a block of rows
+    begins."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if itemsize == 4 or (compute_capability is not None and compute_capability < (8, 0)):
+        return (32, 32, 8, 1) if block_d <= 128 else (16, 16, 4, 1)
+    q_in_shared = compute_capability is None or compute_capability >= (9, 0)
     for block_m, block_n in ((128, 64), (64, 64), (64, 32), (32, 32)):
-        fixed = tile_shared_bytes(block_m, block_n, head_dim, itemsize, 0)
-        per_stage = tile_shared_bytes(block_m, block_n, head_dim, itemsize, 1) - fixed
+        fixed = tile_shared_bytes(block_m, block_n, head_dim, itemsize, 0, q_in_shared)
+        per_stage = tile_shared_bytes(block_m, block_n, head_dim, itemsize, 1, False)
         stages = min(3, (shared_memory_bytes - fixed) // per_stage)
         if stages >= 1:
-            block_d = max(16, triton.next_power_of_2(head_dim))
             return block_m, block_n, 8 if block_m * block_d >= 128 * 128 else 4, stages
     return 16, 16, 4, 1
 
@@ -219,7 +237,12 @@ def _launch_config(head_dim: int, itemsize: int, device: torch.device) -> tuple[
     a NumPy call, so fewer, larger tiles are faster; 32 keeps test shapes multi-tile."""
     if INTERPRETED:
         return 32, 32, 4, 1
-    return tile_config(head_dim, itemsize, kernels.device.max_shared_memory_bytes(device))
+    return tile_config(
+        head_dim,
+        itemsize,
+        kernels.device.max_shared_memory_bytes(device),
+        kernels.device.compute_capability(device),
+    )
 
 
 def flash_attention(

@@ -10,7 +10,8 @@ Split-KV (Dao, Haziza, Massa & Sizov, 2023, "Flash-Decoding for long-context inf
 One program per (sequence, KV head) is too few to fill a GPU when the batch is small and the
 context long, so the context is cut into num_splits ranges that separate programs attend to
 at once. Split i returns its own normalized output o_i and the log-sum-exp of its scores,
-lse_i = log sum_{t in split i} exp(scale q.k_t). A second small kernel merges them exactly:
+lse_i = log sum_{t in split i} exp(scale q.k_t). A second small kernel merges them exactly
+(with a single split the first kernel writes out itself, and there is nothing to merge):
 
     out = sum_i w_i o_i / sum_i w_i,  w_i = exp(lse_i - max_j lse_j)
 
@@ -52,7 +53,7 @@ from kernels.checks import (
     check_same_device,
     check_shape,
 )
-from kernels.device import fit_num_stages, sm_count
+from kernels.device import fit_num_stages, sm_count, tensor_core_dots
 
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
@@ -70,6 +71,7 @@ def _paged_decode_split_kernel(
     seq_lens_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    out_ptr,
     scale_log2e,
     block_tables_stride,
     cache_value_offset,
@@ -78,6 +80,7 @@ def _paged_decode_split_kernel(
     num_splits,
     HEAD_DIM: tl.constexpr,
     CACHE_BLOCK_SIZE: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -140,14 +143,14 @@ def _paged_decode_split_kernel(
     # an empty split: l = 0, lse = -inf, out = 0 (its merge weight is 0)
     nonempty = l_i > 0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
-    tl.store(partial_lse_ptr + row, lse, mask=head_mask)
-    tl.store(
-        partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
-        out,
-        mask=head_mask[:, None] & dim_mask[None, :],
-    )
+    out_mask = head_mask[:, None] & dim_mask[None, :]
+    if SINGLE_SPLIT:  # the whole context: out is final, no partial results and no merge
+        tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        row = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
+        tl.store(partial_lse_ptr + row, lse, mask=head_mask)
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
 
 
 @triton.jit
@@ -197,9 +200,13 @@ def choose_num_splits(
 
 def _launch_config(block_g: int, block_d: int, itemsize: int, device: torch.device):
     """(BLOCK_N, num_warps, num_stages): 64-key tiles, pipelined as deep as shared memory
-    allows (decode is a stream of K/V loads: the pipeline hides their latency)."""
+    allows (decode is a stream of K/V loads: the pipeline hides their latency). Dots on the
+    CUDA cores (`tensor_core_dots` false) hold their operands in registers: 32-key tiles,
+    16 for a group of more than 16 heads on 8 warps, which compile without spilling."""
     if INTERPRETED:
         return 32, 4, 1
+    if not tensor_core_dots(itemsize, device):
+        return (32, 4, 1) if block_g <= 16 else (16, 8, 1)
     for block_n in (64, 32, 16):
         fixed = (block_g * block_d + block_g * block_n) * itemsize
         stages = fit_num_stages(fixed, 2 * block_n * block_d * itemsize, 3, device)
@@ -255,10 +262,11 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    partial_out = torch.empty(
-        num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
-    )
-    partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    single = num_splits == 1
+    # one split writes out directly; more write float32 partial results for the merge
+    partial_shape = (0,) if single else (num_seqs, num_heads, num_splits)
+    partial_out = torch.empty(*partial_shape, head_dim, dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(partial_shape, dtype=torch.float32, device=q.device)
     block_g = max(16, triton.next_power_of_2(num_heads // num_kv_heads))
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n, num_warps, num_stages = _launch_config(block_g, block_d, q.element_size(), q.device)
@@ -269,6 +277,7 @@ def paged_decode_attention(
         seq_lens,
         partial_out,
         partial_lse,
+        out,
         scale * 1.4426950408889634,  # log2(e): base-2 exponentials
         block_tables.stride(0),
         kv_cache.stride(0),  # keys to values
@@ -277,6 +286,7 @@ def paged_decode_attention(
         num_splits,
         HEAD_DIM=head_dim,
         CACHE_BLOCK_SIZE=kv_cache.shape[2],
+        SINGLE_SPLIT=single,
         DOT_FP32=INTERPRETED or q.dtype == torch.float32,
         BLOCK_G=block_g,
         BLOCK_N=block_n,
@@ -284,16 +294,17 @@ def paged_decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    _merge_splits_kernel[(num_seqs * num_heads,)](
-        partial_out,
-        partial_lse,
-        out,
-        num_splits,
-        HEAD_DIM=head_dim,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        BLOCK_D=block_d,
-        num_warps=4,
-    )
+    if not single:
+        _merge_splits_kernel[(num_seqs * num_heads,)](
+            partial_out,
+            partial_lse,
+            out,
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
     return out
 
 

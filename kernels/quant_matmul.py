@@ -57,7 +57,7 @@ from kernels.checks import (
     check_same_device,
     check_shape,
 )
-from kernels.device import fit_num_stages, sm_count
+from kernels.device import fit_num_stages, sm_count, tensor_core_dots
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEFAULT_GROUP_SIZE = 128
@@ -360,9 +360,12 @@ def _tile_config(
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the tensor-core kernels: thin tiles for
     decode-sized M, where the weights dominate and many programs must stream them; square
-    ones for prefill; as many pipeline stages as shared memory holds."""
+    ones for prefill; as many pipeline stages as shared memory holds. Dots on the CUDA cores
+    (`tensor_core_dots` false) keep their operands in registers: small tiles, no pipeline."""
     if INTERPRETED:
         return 16, 32, 4, 1
+    if not tensor_core_dots(itemsize, device):
+        return (16, 32, 4, 1) if m <= 16 else (32, 32, 4, 1)
     if m <= 16:
         candidates = [(16, 32, 4)]
     elif m <= 64:
@@ -415,7 +418,12 @@ def plan_quant_matmul(
         num_tiles, block_k = triton.cdiv(n, block_n), group_size
         kernel = "w4a16_gemv"
     else:
-        block_k = group_size if weight_bits == 4 else W8_BLOCK_K
+        if weight_bits == 4:
+            block_k = group_size
+        elif INTERPRETED or tensor_core_dots(itemsize, device):
+            block_k = W8_BLOCK_K
+        else:  # on the CUDA cores a [128, BLOCK_N] weight tile would spill registers
+            block_k = 32
         block_m, block_n, num_warps, num_stages = _tile_config(
             m, block_k, itemsize, weight_bits, device
         )

@@ -70,6 +70,11 @@ def _rms_norm_kernel(
     tl.store(out_ptr + offsets, y.to(dtype), mask=mask)
 
 
+def num_warps_for(block: int) -> int:
+    """Warps for a BLOCK-element row: about 8 elements per thread, 1 to 16 warps."""
+    return min(max(block // 256, 1), 16)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +117,7 @@ def rms_norm(
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
-            num_warps=min(max(block // 256, 1), 16),
+            num_warps=num_warps_for(block),
         )
     return out if residual_out is None else (out, residual_out)
 

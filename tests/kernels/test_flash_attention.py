@@ -205,20 +205,47 @@ def test_unfused_attention_bytes_are_what_three_eager_ops_move():
     )
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 @pytest.mark.parametrize("itemsize", [2, 4])
 def test_tile_config_fits_every_architecture(head_dim, itemsize):
-    for arch in ARCH_LIMITS.values():
+    for cc, arch in [*ARCH_LIMITS.items(), (None, ARCH_LIMITS[(9, 0)])]:
         budget = arch.shared_memory_per_program
-        block_m, block_n, _, stages = tile_config(head_dim, itemsize, budget)
+        block_m, block_n, _, stages = tile_config(head_dim, itemsize, budget, cc)
         assert block_m % block_n == 0
-        assert tile_shared_bytes(block_m, block_n, head_dim, itemsize, stages) <= budget
+        q_in_shared = cc is None or cc >= (9, 0)
+        assert tile_shared_bytes(block_m, block_n, head_dim, itemsize, stages, q_in_shared) <= (
+            budget
+        )
 
 
 def test_tile_config_worked_example():
-    # head_dim 128 in bfloat16 on Hopper (227 KiB): q tile 128x128 and score tile 128x64
-    # (48 KiB) plus 3 stages of 64x128 K and V tiles (32 KiB each) = 144 KiB
-    assert tile_config(128, 2, 227 * 1024) == (128, 64, 8, 3)
-    assert tile_shared_bytes(128, 64, 128, 2, 3) == 144 * 1024
-    # a 64 KiB budget (Turing): 128x64 does not fit even one stage (80 KiB), 64x64 does
-    assert tile_config(128, 2, 64 * 1024) == (64, 64, 4, 1)
+    # head_dim 128 in bfloat16 on Hopper (227 KiB): the q tile that wgmma reads from shared
+    # memory, 128 x 128 (32 KiB), plus 3 stages of 64 x 128 K and V tiles (32 KiB a stage)
+    assert tile_config(128, 2, 227 * 1024, (9, 0)) == (128, 64, 8, 3)
+    assert tile_shared_bytes(128, 64, 128, 2, 3, True) == 128 * 1024
+    # Ada (99 KiB): mma.sync keeps q in registers, so 3 stages fit (96 KiB) and pipeline
+    assert tile_config(128, 2, 99 * 1024, (8, 9)) == (128, 64, 8, 3)
+    assert tile_shared_bytes(128, 64, 128, 2, 3, False) == 96 * 1024
+    # Turing and float32: dots on CUDA cores, small tiles, no pipeline (Turing has no cp.async)
+    assert tile_config(128, 2, 64 * 1024, (7, 5)) == (32, 32, 8, 1)
+    assert tile_config(128, 4, 227 * 1024, (9, 0)) == (32, 32, 8, 1)
+    assert tile_config(256, 4, 227 * 1024, (9, 0)) == (16, 16, 4, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_flash_attention_tile_edges_on_the_gpu(dtype, head_dim):
+    """The GPU's tiles, which the interpreter never runs: BLOCK_M 128 over BLOCK_N 64 gives
+    two diagonal tiles per block of rows, the second fully masked for its first rows; query
+    lengths around 64 and 128, paged prefixes around them, and real models' head sizes (80
+    is padded to 128 with masked dimensions, 256 is Gemma's)."""
+    q_lens, prefix_lens = [1, 63, 64, 65, 127, 128, 129, 300], [0, 5, 4000, 64, 0, 129, 1, 2048]
+    scale = head_dim**-0.5
+    for prefixes in (prefix_lens, None):
+        q, k, v, cu_seqlens, prefix = make_inputs(
+            q_lens, prefixes, 2, 4, head_dim, 16, dtype, seed=head_dim
+        )
+        out = flash_attention(q, k, v, cu_seqlens, max(q_lens), scale, **prefix)
+        expected = flash_attention_reference(q, k, v, cu_seqlens, scale, **prefix)
+        assert_close(out, expected, ATTENTION_TOLERANCE[dtype])

@@ -1,7 +1,10 @@
-"""Every kernel compiles for Hopper (sm_90), Ada (sm_89) and Turing (sm_75, Colab's T4,
-the smallest shared memory of the targets) with its launcher's configuration, and fits the
-shared memory: checked without a GPU by compiling ahead of time in a process where the
-kernels are not interpreted."""
+"""What the compiler makes of every kernel for Hopper (sm_90), Ada (sm_89) and Turing (sm_75,
+Colab's T4, the smallest shared memory of the targets), checked without a GPU: each
+kernel is compiled ahead of time (minillm.lab.aot) the way the JIT compiles it at its first
+launch there, with its launcher's configuration, in a process where the kernels are not
+interpreted. The checks read the compiled kernel: shared memory against the architecture's
+limit, registers and spills from the cubin, cp.async copies (software pipelining) and
+load widths from the PTX, and the tensor-core instruction the dots became."""
 
 import json
 import os
@@ -11,8 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from kernels.flash_attention import tile_shared_bytes
+
 ROOT = Path(__file__).parents[2]
 ENV = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+NUM_CASES = 13  # per dtype, at one head_dim: minillm.lab.aot.cases
+# Turing has no tensor-core dots in Triton: its W4A16 kernel's FMA dots over a whole group
+# of 128 spill registers (slow, still correct); every other kernel spills at most this
+MAX_SPILL_BYTES = 256
 
 
 def compile_ahead(*args: str) -> list[dict]:
@@ -21,7 +30,7 @@ def compile_ahead(*args: str) -> list[dict]:
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -36,14 +45,118 @@ def compile_ahead(*args: str) -> list[dict]:
 )
 def test_kernels_compile_for_the_gpu(arch, dtypes):
     rows = compile_ahead(str(arch), "--dtypes", *dtypes)
-    assert len(rows) == 2 * 10  # two dtypes, ten kernel configurations each
+    assert len(rows) == len(dtypes) * NUM_CASES
     failed = [row for row in rows if not row["ok"] or row["shared_bytes"] > row["limit"]]
     assert not failed, failed
+    for row in rows:
+        name = f"{row['kernel']} {row['dtype']} sm_{arch}"
+        assert row["registers"] <= 255 and row["programs_per_sm"] >= 1, name
+        if not (arch == 75 and row["kernel"].startswith("w4a16 ")):
+            assert row["spill_bytes"] <= MAX_SPILL_BYTES, (name, row["spill_bytes"])
+        if arch >= 80 and row["num_stages"] > 1:  # a pipeline is asynchronous copies
+            assert row["cp_async"] > 0, name
+        # tensor cores for 16-bit dots from Ampere on: wgmma for Hopper's big tiles
+        dots = row["kernel"].split()[0] in ("flash_attention", "paged_decode_split")
+        dots |= row["kernel"].startswith(("w8a16", "w4a16 "))
+        if dots and row["dtype"] != "fp32" and arch >= 80:
+            assert row["tensor_cores"] in ("mma.sync", "wgmma"), name
+        else:
+            assert row["tensor_cores"] == "none", name
+    if arch == 90:  # the benchmark's GPU: nothing spills in bfloat16
+        assert not [r for r in rows if r["dtype"] == "bf16" and r["spill_bytes"]]
 
 
-def test_one_kernel_one_dtype():
-    (row,) = compile_ahead("90", "--kernels", "flash_attention", "--dtypes", "bf16")
-    assert row["ok"] and row["kernel"] == "flash_attention" and row["dtype"] == "bf16"
-    assert (row["BLOCK_M"], row["BLOCK_N"], row["num_warps"], row["num_stages"]) == (128, 64, 8, 3)
-    # the compiler allocates no more than the launcher budgeted for the tiles
-    assert 0 < row["shared_bytes"] <= 144 * 1024
+@pytest.mark.slow
+def test_flash_attention_head_dims_on_hopper():
+    rows = compile_ahead(
+        "90", "--dtypes", "bf16", "--kernels", "flash_attention d=64", "flash_attention d=80",
+        "flash_attention d=256", "--head-dims", "64", "80", "256",
+    )  # fmt: skip
+    assert [row["kernel"] for row in rows] == [
+        "flash_attention d=64",
+        "flash_attention d=80",
+        "flash_attention d=256",
+    ]
+    for row in rows:
+        assert row["ok"] and row["shared_bytes"] <= row["limit"], row
+        assert row["tensor_cores"] == "wgmma" and row["cp_async"] > 0, row
+    # head_dim 256 (Gemma) fills the 255 registers and spills a little; the others do not
+    assert [row["spill_bytes"] == 0 for row in rows] == [True, True, False]
+    assert rows[2]["spill_bytes"] <= MAX_SPILL_BYTES
+
+
+@pytest.fixture(scope="module")
+def hopper_bf16() -> dict[str, dict]:
+    """The decode-path and W4A16 kernels compiled for sm_90 in bfloat16."""
+    names = ["flash_attention", "paged_decode_split", "w8a16 M=1", "w4a16_gemv M=1"]
+    names += ["w4a16 M=16", "w4a16 M=4096", "sum_splits"]
+    rows = compile_ahead("90", "--dtypes", "bf16", "--kernels", *names)
+    assert all(row["ok"] for row in rows), rows
+    return {row["kernel"]: row for row in rows}
+
+
+def test_w4a16_loads_are_16_bytes_and_pipelined(hopper_bf16):
+    """The packed weights stream through shared memory in 16-byte cp.async copies, one per
+    thread per 16 weight bytes, num_stages deep; no byte-wide loads are left."""
+    gemv = hopper_bf16["w4a16_gemv M=1"]
+    assert gemv["tensor_cores"] == "none" and gemv["num_stages"] >= 3
+    assert set(gemv["cp_async_bytes"]) == {"16"} and gemv["cp_async"] >= gemv["num_stages"]
+    assert "1" not in gemv["global_load_bytes"]
+    assert gemv["spill_bytes"] == 0
+    for name in ("w4a16 M=16", "w4a16 M=4096"):
+        row = hopper_bf16[name]
+        assert row["cp_async"] >= 2 * row["num_stages"], name  # x's tile and the weights'
+        assert min(map(int, row["cp_async_bytes"])) >= 8, name
+        assert "1" not in row["global_load_bytes"], name
+    # prefill-sized M: Hopper's wgmma on 128 x 128 tiles, every copy 16 bytes
+    big = hopper_bf16["w4a16 M=4096"]
+    assert big["tensor_cores"] == "wgmma" and set(big["cp_async_bytes"]) == {"16"}
+    assert big["spill_bytes"] == 0 and big["shared_bytes"] <= big["limit"]
+
+
+def test_the_split_k_sum_is_vectorized(hopper_bf16):
+    row = hopper_bf16["sum_splits"]
+    assert set(row["global_load_bytes"]) == {"16"} and row["spill_bytes"] == 0
+
+
+def test_attention_uses_what_its_launcher_budgets(hopper_bf16):
+    flash = hopper_bf16["flash_attention"]
+    assert (flash["BLOCK_M"], flash["BLOCK_N"], flash["num_warps"], flash["num_stages"]) == (
+        128,
+        64,
+        8,
+        3,
+    )
+    # the q tile wgmma reads from shared memory, plus 3 stages of K and V tiles: 128 KiB,
+    # one program per SM; registers (225 x 256 threads) would allow no second one either
+    budget = tile_shared_bytes(128, 64, 128, 2, 3, q_in_shared=True)
+    assert flash["shared_bytes"] == budget == 128 * 1024
+    assert flash["tensor_cores"] == "wgmma" and flash["cp_async"] >= 64
+    assert flash["programs_per_sm"] == 1 and flash["spill_bytes"] == 0
+    decode = hopper_bf16["paged_decode_split"]
+    assert decode["cp_async"] > 0 and set(decode["cp_async_bytes"]) >= {"16"}
+    assert decode["spill_bytes"] == 0 and decode["programs_per_sm"] >= 4
+
+
+def test_the_jit_specializations_are_applied():
+    """Aligned pointers and multiples of 16 carry tt.divisibility 16; M = 1 is a constant:
+    what the JIT derives at a launch, and what an ahead-of-time compile without them lacks."""
+    code = """
+import json, torch, kernels.device
+from minillm.lab import aot
+with kernels.device.assume_gpu((9, 0), 132):
+    case = next(c for c in aot.cases(torch.bfloat16, [128]) if c.name == "w4a16_gemv M=1")
+    source, target, options = aot.specialize(case, 90)
+names = case.fn.arg_names
+divisible = sorted(names[i] for (i,), a in source.attrs.items() if ["tt.divisibility", 16] in a)
+constants = sorted(names[i] for (i,) in source.constants)
+print(json.dumps([divisible, constants, options["num_stages"]]))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=ENV, capture_output=True, text=True, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    divisible, constants, num_stages = json.loads(result.stdout)
+    assert divisible == ["K", "N", "out_ptr", "packed_ptr", "scales_ptr", "x_ptr"]
+    assert "M" in constants and "SPLIT_K" in constants
+    assert num_stages >= 3

@@ -140,3 +140,22 @@ def test_paged_decode_at_real_sizes(dtype, batch, context):
     out = paged_decode_attention(q, kv_cache, block_tables, lens, 128**-0.5, context)
     expected = paged_decode_attention_reference(q, kv_cache, block_tables, lens, 128**-0.5)
     assert_close(out, expected, ATTENTION_TOLERANCE[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 8, 32, 64])  # BLOCK_G 16, 16, 32, 64 (MQA at 64)
+def test_paged_decode_groups_and_splits_on_the_gpu(group):
+    """GQA groups past 16 query heads (larger BLOCK_G, Hopper's wgmma at 64), split counts
+    up to MAX_SPLITS with empty splits, and contexts of 0, 1 and around a tile's edges."""
+    dtype = torch.bfloat16 if torch.bfloat16 in DTYPES else torch.float16
+    seq_lens = [0, 1, 15, 16, 17, 63, 64, 65, 1000, 4096, 32768]
+    num_kv_heads = 1 if group >= 32 else 2
+    q, kv_cache, block_tables, lens = make_inputs(
+        seq_lens, num_kv_heads, group, 128, 16, dtype, seed=group
+    )
+    expected = paged_decode_attention_reference(q, kv_cache, block_tables, lens, 128**-0.5)
+    for num_splits in (None, 1, 3, 33, MAX_SPLITS):
+        out = paged_decode_attention(
+            q, kv_cache, block_tables, lens, 128**-0.5, max(seq_lens), num_splits
+        )
+        assert_close(out, expected, ATTENTION_TOLERANCE[dtype])

@@ -86,7 +86,7 @@ def test_cost_model():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden_size", [4096, 8192])
+@pytest.mark.parametrize("hidden_size", [4096, 8192, 65536])
 def test_rms_norm_at_real_sizes(dtype, hidden_size):
     x, residual = torch.randn(2, 8192, hidden_size, device="cuda", dtype=dtype).unbind(0)
     weight = torch.randn(hidden_size, device="cuda", dtype=dtype)
