@@ -27,6 +27,7 @@ results, and on a GPU runs a few cases live through `run`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -36,7 +37,7 @@ import platform
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -47,6 +48,7 @@ DTYPE = torch.bfloat16  # float16 on GPUs without bfloat16 (set in main)
 # Llama 3.1 8B attention: 32 query heads on 8 KV heads of 128
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 BLOCK_SIZE = 16
+DEVICE = "cuda"  # the sweeps' tests run them under the interpreter, on "cpu"
 
 # torch.cuda.get_device_name() pattern -> spec table row. PCIe, NVL and 40 GB parts have
 # other clocks or bandwidths than the listed SXM ones: they are measured instead.
@@ -133,7 +135,7 @@ class Bench:
 
 
 def randn(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, device="cuda", dtype=DTYPE)
+    return torch.randn(*shape, device=DEVICE, dtype=DTYPE)
 
 
 def bench_rmsnorm(bench: Bench, quick: bool) -> None:
@@ -177,7 +179,7 @@ def rope_case(bench: Bench, num_tokens: int) -> None:
     rotary = RotaryEmbedding(HEAD_DIM, config.rope_theta, config.rope_scaling)
     cache = rope_cos_sin_cache(rotary.inv_freq, max_position, "cuda")
     q, k = randn(num_tokens, NUM_HEADS, HEAD_DIM), randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-    positions = torch.randint(0, max_position, (num_tokens,), device="cuda")
+    positions = torch.randint(0, max_position, (num_tokens,), device=DEVICE)
 
     def triton_rope():
         return apply_rope(q, k, positions, cache)
@@ -219,7 +221,7 @@ def prefill_case(bench: Bench, batch: int, seq_len: int) -> None:
     num_tokens = batch * seq_len
     q = randn(num_tokens, NUM_HEADS, HEAD_DIM)
     k, v = randn(num_tokens, NUM_KV_HEADS, HEAD_DIM), randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-    cu_seqlens = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * seq_len
+    cu_seqlens = torch.arange(0, batch + 1, device=DEVICE, dtype=torch.int32) * seq_len
     group = NUM_HEADS // NUM_KV_HEADS
 
     def to_sdpa(t: torch.Tensor, repeat: int = 1) -> torch.Tensor:
@@ -255,20 +257,20 @@ def chunked_prefill_case(bench: Bench, batch: int, prefix_len: int, chunk: int) 
     context = prefix_len + chunk
     blocks_per_seq = math.ceil(context / BLOCK_SIZE)
     kv_cache = randn(2, batch * blocks_per_seq, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    block_tables = torch.randperm(batch * blocks_per_seq, device="cuda").view(batch, -1).int()
+    block_tables = torch.randperm(batch * blocks_per_seq, device=DEVICE).view(batch, -1).int()
     q = randn(batch * chunk, NUM_HEADS, HEAD_DIM)
     k, v = (
         randn(batch * chunk, NUM_KV_HEADS, HEAD_DIM),
         randn(batch * chunk, NUM_KV_HEADS, HEAD_DIM),
     )
-    cu_seqlens = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * chunk
-    prefix_lens = torch.full((batch,), prefix_len, device="cuda", dtype=torch.int32)
+    cu_seqlens = torch.arange(0, batch + 1, device=DEVICE, dtype=torch.int32) * chunk
+    prefix_lens = torch.full((batch,), prefix_len, device=DEVICE, dtype=torch.int32)
     # the baseline attends over a contiguous copy of the context, with an explicit mask
     qs = q.view(batch, chunk, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
     ks = randn(batch, NUM_KV_HEADS, context, HEAD_DIM)
     vs = randn(batch, NUM_KV_HEADS, context, HEAD_DIM)
-    rows = torch.arange(chunk, device="cuda")[:, None] + prefix_len
-    mask = torch.arange(context, device="cuda")[None, :] <= rows
+    rows = torch.arange(chunk, device=DEVICE)[:, None] + prefix_len
+    mask = torch.arange(context, device=DEVICE)[None, :] <= rows
 
     def triton_chunk():
         return flash_attention(
@@ -305,8 +307,8 @@ def decode_case(bench: Bench, batch: int, context: int) -> None:
     scale = HEAD_DIM**-0.5
     blocks_per_seq = math.ceil(context / BLOCK_SIZE)
     kv_cache = randn(2, batch * blocks_per_seq, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    block_tables = torch.randperm(batch * blocks_per_seq, device="cuda").view(batch, -1).int()
-    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    block_tables = torch.randperm(batch * blocks_per_seq, device=DEVICE).view(batch, -1).int()
+    seq_lens = torch.full((batch,), context, device=DEVICE, dtype=torch.int32)
     q = randn(batch, NUM_HEADS, HEAD_DIM)
     # the baseline: the same attention over a contiguous cache (no block table)
     qs = q[:, :, None, :]
@@ -338,7 +340,7 @@ def decode_case(bench: Bench, batch: int, context: int) -> None:
 def bench_quant_matmul(bench: Bench, quick: bool) -> None:
     shapes = [(4096, 4096)] if quick else [(4096, 4096), (14336, 4096), (4096, 14336)]
     for n, k in shapes:
-        for m in [1, 16] if quick else [1, 16, 256, 4096]:
+        for m in [1, 16] if quick else [1, 4, 16, 256, 4096]:
             quant_matmul_case(bench, m, n, k)
 
 
@@ -410,18 +412,18 @@ def decode_step_case(model, kv_caches, graphs, batch: int, context: int, blocks_
 
     from minillm.model.attention import AttentionMetadata
 
-    tables = torch.arange(batch * blocks_per_seq, device="cuda").view(batch, -1)
+    tables = torch.arange(batch * blocks_per_seq, device=DEVICE).view(batch, -1)
     meta = AttentionMetadata(
         slot_mapping=tables[:, context // BLOCK_SIZE] * BLOCK_SIZE + context % BLOCK_SIZE,
-        query_start_loc=torch.arange(batch + 1, device="cuda", dtype=torch.int32),
-        seq_lens=torch.full((batch,), context + 1, device="cuda", dtype=torch.int32),
+        query_start_loc=torch.arange(batch + 1, device=DEVICE, dtype=torch.int32),
+        seq_lens=torch.full((batch,), context + 1, device=DEVICE, dtype=torch.int32),
         block_tables=tables.int(),
         max_query_len=1,
         max_seq_len=context + 1,
         block_size=BLOCK_SIZE,
     )
-    ids = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
-    positions = torch.full((batch,), context, device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (batch,), device=DEVICE)
+    positions = torch.full((batch,), context, device=DEVICE)
 
     def eager():
         return model(ids, positions, kv_caches, meta)
@@ -509,9 +511,186 @@ KERNEL_BENCHMARKS = {
 }
 
 
-def run(quick: bool, only: list[str] | None = None, graphs: bool = True) -> dict:
+@contextlib.contextmanager
+def forced(module, name: str, value) -> Iterator[None]:
+    """Replace a launcher's configuration function (or constant) for the duration: the
+    launcher then runs, with all its checks, in the configuration being swept."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).abs().max())
+
+
+def sweep_prefill(bench: Bench, batch: int = 4, seq_len: int = 2048) -> list[dict]:
+    """FlashAttention's tiles, warps and pipeline depth at 4 x 2048 (causal)."""
+    from kernels import flash_attention as fa
+
+    scale = HEAD_DIM**-0.5
+    q = randn(batch * seq_len, NUM_HEADS, HEAD_DIM)
+    k, v = (
+        randn(batch * seq_len, NUM_KV_HEADS, HEAD_DIM),
+        randn(batch * seq_len, NUM_KV_HEADS, HEAD_DIM),
+    )
+    cu_seqlens = torch.arange(0, batch + 1, device=DEVICE, dtype=torch.int32) * seq_len
+    lens = [seq_len] * batch
+    nbytes = fa.flash_attention_bytes(lens, [0] * batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 2)
+    flops = fa.flash_attention_flops(lens, [0] * batch, NUM_HEADS, HEAD_DIM)
+    shipped = fa._launch_config(HEAD_DIM, 2, q.device)
+    reference = None
+    rows = []
+    for config in dict.fromkeys(
+        [
+            shipped,
+            (128, 128, 8, 3),
+            (128, 64, 4, 3),
+            (64, 64, 4, 3),
+            (128, 64, 8, 2),
+            (128, 64, 8, 4),
+            (128, 32, 8, 3),
+        ]
+    ):
+        with forced(fa, "_launch_config", lambda *args, config=config: config):
+
+            def call():
+                return fa.flash_attention(q, k, v, cu_seqlens, seq_len, scale)
+
+            out = call()
+            reference = out if reference is None else reference
+            m = bench.run(
+                "prefill sweep", f"{batch}x{seq_len} causal", f"tiles {config}", call, nbytes, flops
+            )
+        rows.append(
+            {
+                "config": list(config),
+                "shipped": config == shipped,
+                "time_ms": m.time_ms,
+                "tflop_per_s": m.tflop_per_s,
+                "max_abs_diff": max_abs_error(out, reference),
+            }
+        )
+    return rows
+
+
+def sweep_decode(bench: Bench, batch: int = 64, context: int = 4096) -> list[dict]:
+    """The split-KV kernel's key tile, warps and pipeline depth at 64 x 4096, one split."""
+    from kernels import paged_decode as pd
+
+    scale = HEAD_DIM**-0.5
+    blocks_per_seq = math.ceil(context / BLOCK_SIZE)
+    kv_cache = randn(2, batch * blocks_per_seq, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    block_tables = torch.randperm(batch * blocks_per_seq, device=DEVICE).view(batch, -1).int()
+    seq_lens = torch.full((batch,), context, device=DEVICE, dtype=torch.int32)
+    q = randn(batch, NUM_HEADS, HEAD_DIM)
+    nbytes = pd.paged_decode_bytes([context] * batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 2)
+    flops = pd.paged_decode_flops([context] * batch, NUM_HEADS, HEAD_DIM)
+    shipped = pd._launch_config(16, HEAD_DIM, 2, q.device)
+    reference = None
+    rows = []
+    for config in dict.fromkeys(
+        [
+            shipped,
+            (32, 4, 3),
+            (64, 4, 2),
+            (64, 4, 4),
+            (128, 4, 3),
+            (128, 8, 3),
+            (64, 8, 3),
+            (16, 4, 4),
+        ]
+    ):
+        with forced(pd, "_launch_config", lambda *args, config=config: config):
+
+            def call():
+                return pd.paged_decode_attention(
+                    q, kv_cache, block_tables, seq_lens, scale, context, 1
+                )
+
+            out = call()
+            reference = out if reference is None else reference
+            impl = f"BLOCK_N, warps, stages {config}"
+            m = bench.run("decode sweep", f"{batch}x{context}", impl, call, nbytes, flops)
+        rows.append(
+            {
+                "config": list(config),
+                "shipped": config == shipped,
+                "time_ms": m.time_ms,
+                "pct_of_bandwidth": m.pct_of_bandwidth,
+                "max_abs_diff": max_abs_error(out, reference),
+            }
+        )
+    return rows
+
+
+def sweep_w4a16_gemv(
+    bench: Bench, shapes: tuple[tuple[int, int], ...] = ((4096, 4096), (14336, 4096))
+) -> list[dict]:
+    """The W4A16 GEMV at batch 1: rows per program, warps, pipeline depth, and split-K."""
+    from kernels import quant_matmul as qm
+
+    rows = []
+    for n, k in shapes:
+        weight = randn(n, k) * 0.02
+        packed, scales = qm.quantize_w4(weight)
+        x = randn(1, k)
+        expected = qm.w4a16_matmul_reference(x, packed, scales, 128)
+        nbytes = qm.quant_matmul_bytes(1, n, k, 2, 4, 128)
+        flops = qm.quant_matmul_flops(1, n, k)
+        shipped = qm.plan_quant_matmul(1, n, k, 2, 4, 128, x.device)
+        configs = [
+            (None, None),
+            ((32, 4, 4), None),
+            ((128, 4, 4), None),
+            ((128, 8, 4), None),
+            ((64, 4, 2), None),
+            ((64, 2, 4), None),
+            ((256, 8, 4), None),
+        ]
+        configs += [(None, split) for split in (1, 2, 4, 8) if split != shipped.split_k]
+        for tiles, split_k in configs:
+            gemv = qm._gemv_config if tiles is None else (lambda *args, tiles=tiles: tiles)
+            choose = qm.choose_split_k if split_k is None else (lambda *args, s=split_k: s)
+            with forced(qm, "_gemv_config", gemv), forced(qm, "choose_split_k", choose):
+                plan = qm.plan_quant_matmul(1, n, k, 2, 4, 128, x.device)
+
+                call = functools.partial(qm.w4a16_matmul, x, packed, scales)
+                out = call()
+                impl = f"BLOCK_N {plan.block_n}, warps {plan.num_warps}, "
+                impl += f"stages {plan.num_stages}, split-K {plan.split_k}"
+                m = bench.run("w4a16 sweep", f"M=1 N={n} K={k}", impl, call, nbytes, flops)
+            rows.append(
+                {
+                    "shape": [1, n, k],
+                    "plan": asdict(plan),
+                    "shipped": tiles is None and split_k is None,
+                    "time_ms": m.time_ms,
+                    "pct_of_bandwidth": m.pct_of_bandwidth,
+                    "max_abs_err": max_abs_error(out, expected),
+                }
+            )
+    return rows
+
+
+SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode, "w4a16_gemv": sweep_w4a16_gemv}
+
+
+def run(
+    quick: bool,
+    only: list[str] | None = None,
+    graphs: bool = True,
+    sweeps: bool = False,
+    checkpoint: Callable[[dict], None] | None = None,
+) -> dict:
     """Run the benchmarks (all kernels, or those named in `only`) on this CUDA GPU, then the
-    CUDA-graph decode steps when `graphs`; return the results (what main writes)."""
+    CUDA-graph decode steps when `graphs`, then the configuration sweeps when `sweeps`;
+    return the results (what main writes). `checkpoint` is called with the results so far
+    after each part, so that a run cut short still leaves them; a part that raises is
+    recorded under "errors" and the others still run."""
     unknown = set(only or ()) - set(KERNEL_BENCHMARKS)
     if unknown:
         raise ValueError(f"unknown kernels {sorted(unknown)}; known: {list(KERNEL_BENCHMARKS)}")
@@ -528,12 +707,7 @@ def run(quick: bool, only: list[str] | None = None, graphs: bool = True) -> dict
     print(f"{name}: roofline of {spec.name}", flush=True)
     torch.manual_seed(0)
     bench = Bench(spec)
-    for kernel, bench_fn in KERNEL_BENCHMARKS.items():
-        if only is None or kernel in only:
-            bench_fn(bench, quick)
-    decode_steps = bench_decode_step_graphs(quick) if graphs else []
-    goals = evaluate_goals(bench.measurements)
-    return {
+    results = {
         "device": name,
         "spec": spec.name,
         "spec_measured": spec.measured,
@@ -541,10 +715,44 @@ def run(quick: bool, only: list[str] | None = None, graphs: bool = True) -> dict
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": versions(),
         "quick": quick,
-        "measurements": [asdict(m) for m in bench.measurements],
-        "decode_step_cuda_graphs": decode_steps,
-        "goals": goals,
+        "complete": False,
+        "measurements": [],
+        "decode_step_cuda_graphs": [],
+        "sweeps": {},
+        "errors": {},
+        "goals": {},
     }
+
+    def part(label: str, fn: Callable[[], object]) -> object:
+        try:
+            return fn()
+        except Exception as exc:  # one broken part must not cost the others' numbers
+            print(f"{label} failed: {type(exc).__name__}: {exc}", flush=True)
+            results["errors"][label] = f"{type(exc).__name__}: {exc}"[:2000]
+            return None
+        finally:
+            results["measurements"] = [asdict(m) for m in bench.measurements]
+            results["goals"] = evaluate_goals(bench.measurements)
+            if checkpoint is not None:
+                checkpoint(results)
+
+    for kernel, bench_fn in KERNEL_BENCHMARKS.items():
+        if only is None or kernel in only:
+            part(kernel, functools.partial(bench_fn, bench, quick))
+    if graphs:
+        results["decode_step_cuda_graphs"] = (
+            part("cuda_graphs", lambda: bench_decode_step_graphs(quick)) or []
+        )
+    if sweeps:
+        sweep_bench = Bench(spec)  # its measurements stay out of the goals and the tables
+        for label, sweep_fn in SWEEPS.items():
+            results["sweeps"][label] = part(
+                f"sweep {label}", functools.partial(sweep_fn, sweep_bench)
+            )
+    results["complete"] = True
+    if checkpoint is not None:
+        checkpoint(results)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -555,6 +763,11 @@ def main(argv: list[str] | None = None) -> int:
         help="folder for the JSON results file (default: benchmarks/results)",
     )
     parser.add_argument("--quick", action="store_true", help="one case per kernel")
+    parser.add_argument("--only", nargs="+", choices=list(KERNEL_BENCHMARKS), help="only these")
+    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph steps")
+    parser.add_argument(
+        "--sweeps", action="store_true", help="also time other tile and pipeline configurations"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -569,14 +782,21 @@ def main(argv: list[str] | None = None) -> int:
         print("unset TRITON_INTERPRET: the interpreter's timings mean nothing", file=sys.stderr)
         return 2
 
-    results = run(args.quick)
-    print(json.dumps(results["goals"], indent=2))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kernels_{device_slug(results['device'])}.json"
-    path.write_text(json.dumps(results, indent=2) + "\n")
+    path = out / f"kernels_{device_slug(torch.cuda.get_device_name())}.json"
+
+    def write(results: dict) -> None:  # after every part: a run cut short keeps its numbers
+        partial = path.with_suffix(".json.tmp")
+        partial.write_text(json.dumps(results, indent=2) + "\n")
+        partial.replace(path)
+
+    results = run(
+        args.quick, args.only, graphs=not args.no_graphs, sweeps=args.sweeps, checkpoint=write
+    )
+    print(json.dumps(results["goals"], indent=2))
     print(f"wrote {path}")
-    return 0
+    return 1 if results["errors"] else 0
 
 
 if __name__ == "__main__":

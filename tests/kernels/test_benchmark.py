@@ -106,3 +106,68 @@ def test_run_only_some_kernels():
     results = run(quick=True, only=["decode"], graphs=False)
     assert {m["kernel"] for m in results["measurements"]} == {"decode"}
     assert results["decode_step_cuda_graphs"] == []
+
+
+class UntimedBench:
+    """Bench's interface without a GPU: runs each callable once, records a notional time."""
+
+    def __init__(self) -> None:
+        self.measurements = []
+
+    def run(self, kernel, case, impl, fn, bytes_, flops):
+        fn()
+        m = measurement(kernel, case, impl, 1.0)
+        self.measurements.append(m)
+        return m
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the sweeps under the interpreter")
+def test_the_sweeps_run_every_configuration_and_agree(monkeypatch):
+    """Each sweep forces the launcher's configuration function, runs the launcher in every
+    configuration and restores it; all configurations compute the same result."""
+    from kernels import flash_attention, paged_decode, quant_matmul
+    from minillm.lab import kernel_bench
+
+    monkeypatch.setattr(kernel_bench, "DEVICE", "cpu")
+    monkeypatch.setattr(kernel_bench, "DTYPE", torch.float32)
+    monkeypatch.setattr(kernel_bench, "NUM_HEADS", 4)
+    monkeypatch.setattr(kernel_bench, "NUM_KV_HEADS", 2)
+    monkeypatch.setattr(kernel_bench, "HEAD_DIM", 32)
+    saved = (flash_attention._launch_config, paged_decode._launch_config)
+    saved += (quant_matmul._gemv_config, quant_matmul.choose_split_k)
+    bench = UntimedBench()
+    prefill = kernel_bench.sweep_prefill(bench, batch=1, seq_len=40)
+    decode = kernel_bench.sweep_decode(bench, batch=2, context=40)
+    gemv = kernel_bench.sweep_w4a16_gemv(bench, shapes=((40, 256),))
+    assert (flash_attention._launch_config, paged_decode._launch_config) == saved[:2]
+    assert (quant_matmul._gemv_config, quant_matmul.choose_split_k) == saved[2:]
+    assert len(prefill) == 7 and [row["shipped"] for row in prefill].count(True) == 1
+    assert len(decode) == 8 and len(gemv) >= 9
+    assert {tuple(row["config"]) for row in decode} >= {(16, 4, 4), (128, 8, 3)}
+    assert all(row["max_abs_diff"] < 1e-5 for row in prefill + decode)
+    assert all(row["max_abs_err"] < 1e-4 for row in gemv)
+    assert {row["plan"]["split_k"] for row in gemv} >= {1, 2, 4, 8}
+    assert {row["plan"]["block_n"] for row in gemv} >= {32, 64, 128, 256}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="replaces the GPU parts with stand-ins")
+def test_run_checkpoints_after_every_part_and_records_failures(monkeypatch):
+    from minillm.lab import kernel_bench
+
+    def works(bench, quick):
+        bench.measurements.append(measurement("rope", "c", "triton", 1.0))
+
+    def breaks(bench, quick):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(kernel_bench, "KERNEL_BENCHMARKS", {"rope": works, "decode": breaks})
+    snapshots = []
+    results = kernel_bench.run(
+        quick=True, graphs=False, checkpoint=lambda r: snapshots.append(json.dumps(r))
+    )
+    assert [json.loads(s)["complete"] for s in snapshots] == [False, False, True]
+    assert len(json.loads(snapshots[0])["measurements"]) == 1  # saved before decode broke
+    assert results["errors"] == {"decode": "RuntimeError: out of resources"}
+    assert results["spec"] == "H200 SXM" and results["measurements"][0]["kernel"] == "rope"
