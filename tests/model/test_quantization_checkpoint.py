@@ -135,9 +135,13 @@ def test_a_hand_written_awq_layer_reads_back_as_its_weights():
     torch.testing.assert_close(layer.dequantize(), expected, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2", "awq"])
-def test_the_bundled_model_round_trips_through_each_layout(tmp_path, checkpoint_format):
-    loaded = load_model("minillm-stdlib-target", dtype="float32")
+@pytest.mark.parametrize(
+    "checkpoint_format, dtype",
+    [("gptq", torch.float32), ("gptq_v2", torch.float32), ("awq", torch.float32),
+     ("gptq", torch.bfloat16)],
+)  # fmt: skip
+def test_the_bundled_model_round_trips_through_each_layout(tmp_path, checkpoint_format, dtype):
+    loaded = load_model("minillm-stdlib-target", dtype=dtype)
     quantize_model(loaded.model, "int4", group_size=128)
     out = save_quantized(loaded.model, loaded.config, TARGET, tmp_path, checkpoint_format)
     hf_config = json.loads((out / "config.json").read_text())
@@ -147,7 +151,7 @@ def test_the_bundled_model_round_trips_through_each_layout(tmp_path, checkpoint_
     assert "model.layers.0.mlp.down_proj.qweight" in names
     assert "model.layers.0.mlp.down_proj.weight" not in names
 
-    reloaded = load_quantized_dir(out)
+    reloaded = load_quantized_dir(out, dtype)
     for name, layer in linear_layers(reloaded).items():
         original = loaded.model.get_submodule(name)
         assert torch.equal(layer.packed, original.packed)
@@ -183,6 +187,7 @@ def test_symmetric_and_act_order_layers_round_trip_through_gptq(tmp_path):
 def test_unsupported_checkpoints_and_models_are_refused(tmp_path):
     for bad, message in [
         ({"quant_method": "bitsandbytes"}, "unsupported quant_method"),
+        (["gptq"], "JSON object"),
         ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "only 4-bit"),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "gemm"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size"),

@@ -150,3 +150,17 @@ def test_the_cuda_kernels_compute_what_the_cpu_path_computes(quantization):
     cpu = model.half().forward_causal(ids)
     cuda = model.cuda().forward_causal(ids.cuda()).cpu()
     torch.testing.assert_close(cuda, cpu, atol=2e-2, rtol=2e-2)
+
+
+def test_bfloat16_layers_choose_codes_for_the_scales_they_store():
+    model = tiny_model().to(torch.bfloat16)
+    weight = model.model.layers[0].mlp.up_proj.weight.detach().float().clone()
+    quantize_model(model, "int4", group_size=32)
+    layer = model.model.layers[0].mlp.up_proj
+    assert layer.scales.dtype == torch.bfloat16
+    scales = layer.scales.T.float()
+    assert torch.equal(scales.half().float(), scales)  # float16 values too: checkpoints hold them
+    expand = scales.repeat_interleave(32, dim=1)
+    zeros = layer.zeros().float().repeat_interleave(32, dim=1)
+    nearest = torch.clamp(torch.round(weight / expand) + zeros, 0, 15)
+    assert torch.equal(layer.codes().float(), nearest)

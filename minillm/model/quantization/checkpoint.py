@@ -184,6 +184,8 @@ def quantization_config(checkpoint_format: str, group_size: int, layers) -> dict
 def read_quantization_config(cfg: dict) -> tuple[str, int, str]:
     """(method, group_size or -1, zeros convention) from a `quantization_config`; raises
     ValueError for what this loader does not read."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"quantization_config must be a JSON object, got {cfg!r}")
     method = str(cfg.get("quant_method", "")).lower()
     if method == "gptq":
         bits, group_size = cfg.get("bits"), cfg.get("group_size")

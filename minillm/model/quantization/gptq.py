@@ -142,10 +142,12 @@ def gptq(
     block_size: int = BLOCK_SIZE,
     damp_percent: float = DAMP_PERCENT,
     act_order: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize w: [N, K] with GPTQ on RTN's grid -> (codes [N, K], scales [N, G], zeros
-    [N, G]); a row whose GPTQ error exceeds RTN's keeps RTN's codes."""
-    scales, zeros = find_grid(w, spec)
+    [N, G]), scales to be stored in `dtype`; a row whose GPTQ error exceeds RTN's keeps
+    RTN's codes."""
+    scales, zeros = find_grid(w, spec, dtype)
     codes = gptq_quantize(w, hessian, scales, zeros, spec, block_size, damp_percent, act_order)
     rounded = quantize(w, scales, zeros, spec)
     return keep_better_rows(w, hessian, codes, rounded, scales, zeros), scales, zeros

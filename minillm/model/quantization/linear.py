@@ -183,11 +183,11 @@ class Int4Linear(QuantizedLinear):
         return self.zero_offsets.T.to(torch.int32) + INT4_SIGNED_OFFSET
 
     def dequantize(self) -> torch.Tensor:
-        q = unpack_int4(self.packed).float()  # q - 8
-        s = self.scales.float().T.repeat_interleave(self.group_size, dim=1)
-        if self.zero_offsets is not None:
-            q = q - self.zero_offsets.float().T.repeat_interleave(self.group_size, dim=1)
-        w = q * s
+        n, k = self.out_features, self.in_features
+        q = unpack_int4(self.packed).float().view(n, k // self.group_size, self.group_size)
+        if self.zero_offsets is not None:  # (q - 8) - (z - 8) = q - z
+            q = q - self.zero_offsets.T.float()[:, :, None]
+        w = (q * self.scales.T.float()[:, :, None]).view(n, k)
         if self.input_perm is None:
             return w
         return torch.empty_like(w).index_copy_(1, self.input_perm, w)

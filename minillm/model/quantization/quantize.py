@@ -108,7 +108,9 @@ def quantize_model(
     """
     check_quantization_args(quantization, group_size, method)
     if linear_layers(model):
-        raise ValueError("the model is already quantized")
+        raise ValueError(
+            "the model is already quantized (a GPTQ or AWQ checkpoint, or quantized before)"
+        )
     if method != "rtn" and (calibration is None or calibration.dim() != 2):
         raise ValueError(
             f"method {method!r} needs calibration token ids [num_windows, seq_len]; "
@@ -120,7 +122,8 @@ def quantize_model(
         for layer in layers:
             for name in LINEAR_NAMES:
                 linear = layer.get_submodule(name)
-                result = None if spec is None else rtn(linear.weight, spec)
+                dtype = linear.weight.dtype
+                result = None if spec is None else rtn(linear.weight, spec, dtype)
                 set_submodule(layer, name, make_quantized(linear, quantization, result, group_size))
         return model
 
@@ -139,10 +142,11 @@ def quantize_model(
             apply_awq_scales(layer, stats, spec)
         for name, linear in linears.items():
             hessian, _ = stats.result(name)
+            dtype = linear.weight.dtype
             if method == "gptq":
-                result = gptq(linear.weight, hessian, spec, act_order=act_order)
+                result = gptq(linear.weight, hessian, spec, act_order=act_order, dtype=dtype)
             else:
-                result = rtn(linear.weight, spec)
+                result = rtn(linear.weight, spec, dtype)
             set_submodule(layer, name, make_quantized(linear, quantization, result, group_size))
         hidden = [layer(h, rope, None, None) for h in hidden]
     return model

@@ -13,16 +13,19 @@ with a float scale s and an integer zero point z. Two choices of grid:
   dot product.
 - asymmetric (int4 here): q in [0, 15], the grid spans the group's [min, max] (widened to
   include 0, as GPTQ does, so that zero stays representable): s = (max - min) / 15,
-  z = round(-min / s). With 16 levels, a symmetric grid would waste most of one side
-  whenever a group's weights are not centered on zero; the zero point costs one small
-  integer per group (1/128 of a byte per weight at group size 128). GPTQ and AWQ
-  checkpoints use it for the same reason.
+  z = round(-min / s). A symmetric grid spans [-max|w|, max|w|]; when a group's weights are
+  not centered on zero, part of that span holds no weight, and with only 16 levels every
+  wasted level counts. The zero point costs one small integer per group (1/128 of a byte
+  per weight at group size 128). GPTQ and AWQ checkpoints use it for the same reason.
 
-Scales are rounded to float16 values (and kept at least float16's smallest normal 2^-14):
-GPTQ and AWQ checkpoints store float16 scales, so a model quantized here is written and read
-back bit for bit. RTN then picks q = clamp(round(w / s) + z): the nearest code, each weight
-alone. Its error is at most s / 2 per weight inside the grid. GPTQ and AWQ keep this grid
-(AWQ on rescaled weights) and choose the codes better.
+Scales are rounded to float16 values (and kept at least float16's smallest normal 2^-14),
+then to the dtype the layer keeps them in: GPTQ and AWQ checkpoints store float16 scales, so
+a model quantized here is written and read back bit for bit, and the codes are chosen for the
+scales the layer really multiplies by.
+
+RTN then picks q = clamp(round(w / s) + z): the nearest code, each weight alone. Its error
+is at most s / 2 per weight inside the grid. GPTQ and AWQ keep this grid (AWQ on rescaled
+weights) and choose the codes better.
 """
 
 from __future__ import annotations
@@ -68,9 +71,12 @@ def int4_spec(group_size: int) -> QuantSpec:
     return QuantSpec(bits=4, group_size=group_size, symmetric=False)
 
 
-def find_grid(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def find_grid(
+    w: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [N, K] -> (scales, zeros), each [N, K / group_size] float32 (zeros are integers,
-    all 0 for a symmetric grid)."""
+    all 0 for a symmetric grid); the scales are values of float16 and of `dtype`, the dtype
+    they will be stored in."""
     n, k = w.shape
     size = spec.group_size_for(k)
     groups = w.detach().float().reshape(n, k // size, size)
@@ -80,7 +86,7 @@ def find_grid(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Ten
         low = groups.amin(dim=2).clamp(max=0.0)
         high = groups.amax(dim=2).clamp(min=0.0)
         scales = (high - low) / spec.q_max
-    scales = scales.clamp(min=MIN_SCALE).half().float()
+    scales = scales.clamp(min=MIN_SCALE).half().to(dtype).float()
     if spec.symmetric:
         return scales, torch.zeros_like(scales)
     zeros = (-low / scales).round().clamp(spec.q_min, spec.q_max)
@@ -116,7 +122,10 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> to
     return (q.float() - expand_groups(zeros.float(), size)) * expand_groups(scales.float(), size)
 
 
-def rtn(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round-to-nearest: w [N, K] -> (codes [N, K] int32, scales [N, G], zeros [N, G])."""
-    scales, zeros = find_grid(w, spec)
+def rtn(
+    w: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest: w [N, K] -> (codes [N, K] int32, scales [N, G], zeros [N, G]),
+    scales to be stored in `dtype`."""
+    scales, zeros = find_grid(w, spec, dtype)
     return quantize(w, scales, zeros, spec), scales, zeros

@@ -1,0 +1,232 @@
+"""Quantization on a CPU: perplexity, weight bytes and decode speed, side by side in one run.
+
+    python -m minillm.lab.quant_bench            # writes benchmarks/results/quantization_cpu.json
+
+The bundled target model runs through the engine (`LLM`) in float32 and bfloat16 and,
+quantized from its float32 weights, as int8 RTN (W8A16), int4 RTN, GPTQ and AWQ (W4A16,
+group size 128) and FP8 (E4M3 weights). For each: perplexity on the held-out windows
+beside the model, the bytes of its weights, and batch-1 decode speed (1 / TPOT) repeated
+round robin over the variants, so that a slow moment of a shared machine hits all of them
+alike; the median and the range of the repeats are reported.
+
+What the speed measures here: on a CPU the quantized layers dequantize their weights on
+every call and then run an ordinary float matmul, and a tiny model's step is dominated by
+per-step overhead, so quantization makes decoding slower, not faster. The saving it buys on
+a CPU is memory. On a GPU, where a batch-1 decode step is bound by reading the weights, the
+W4A16 kernel reads a quarter of bfloat16's bytes (see chapter 5 and `kernels.quant_matmul`).
+
+The goal recorded for GPTQ: int4 GPTQ loses at most half the perplexity that int4 RTN loses
+(both against the float32 model they were quantized from).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from minillm.lab.bench import cpu_name
+
+MODEL = "minillm-stdlib-target"
+RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+GOAL_RATIO = 0.5  # GPTQ's perplexity loss / RTN's perplexity loss, at most
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    name: str
+    dtype: str
+    quantization: str | None = None
+    method: str = "rtn"
+
+
+VARIANTS = (
+    Variant("float32", "float32"),
+    Variant("bfloat16", "bfloat16"),
+    Variant("int8 RTN", "float32", "int8"),
+    Variant("int4 RTN", "float32", "int4"),
+    Variant("int4 GPTQ", "float32", "int4", "gptq"),
+    Variant("int4 AWQ", "float32", "int4", "awq"),
+    Variant("fp8", "float32", "fp8"),
+)
+
+
+def build(variant: Variant, calibration: torch.Tensor, group_size: int):
+    """An LLM whose model is quantized in place after loading; returns (llm, seconds spent
+    quantizing)."""
+    from minillm.llm import LLM
+    from minillm.model.quantization import quantize_model
+
+    llm = LLM(
+        MODEL, dtype=variant.dtype, device="cpu", num_gpu_blocks=64, enable_prefix_caching=False
+    )
+    start = time.perf_counter()
+    if variant.quantization is not None:
+        quantize_model(
+            llm.engine.model_runner.model,
+            variant.quantization,
+            group_size,
+            variant.method,
+            None if variant.method == "rtn" else calibration,
+        )
+    return llm, time.perf_counter() - start
+
+
+def decode_tokens_per_s(llm, prompt: list[int], max_tokens: int) -> float:
+    """Batch-1 greedy decode speed: 1 / TPOT, the time per output token after the first."""
+    from minillm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    output = llm.generate([prompt], params, use_tqdm=False)[0]
+    return 1.0 / output.metrics.tpot_s
+
+
+def run(
+    variants: tuple[Variant, ...] = VARIANTS,
+    repeats: int = 5,
+    num_windows: int | None = None,
+    calibration_tokens: int = 8192,
+    max_tokens: int = 64,
+    group_size: int = 128,
+) -> dict:
+    """Measure every variant; returns a JSON-ready record (prints a table as it goes)."""
+    from minillm.model.loader import resolve_model_path
+    from minillm.model.perplexity import heldout_windows, perplexity
+    from minillm.model.quantization import default_calibration, weight_bytes
+
+    path = resolve_model_path(MODEL)
+    windows = heldout_windows(path)[:num_windows]
+    calibration = default_calibration(path, calibration_tokens)
+    prompt = windows[0, :32].tolist()
+    built = {}
+    results = {}
+    for variant in variants:
+        llm, quantize_s = build(variant, calibration, group_size)
+        model = llm.engine.model_runner.model
+        built[variant.name] = llm
+        decode_tokens_per_s(llm, prompt, 4)  # warm-up
+        results[variant.name] = {
+            "dtype": variant.dtype,
+            "quantization": variant.quantization,
+            "method": variant.method if variant.quantization else None,
+            "group_size": group_size if variant.quantization == "int4" else None,
+            "quantize_s": round(quantize_s, 2),
+            "perplexity": perplexity(model, windows),
+            "weight_bytes": weight_bytes(model),
+            "decode_tokens_per_s": [],
+        }
+        print(f"{variant.name}: built, perplexity {results[variant.name]['perplexity']:.3f}")
+    for _ in range(repeats):  # round robin: every repeat visits every variant once
+        for name, llm in built.items():
+            results[name]["decode_tokens_per_s"].append(
+                decode_tokens_per_s(llm, prompt, max_tokens)
+            )
+    for r in results.values():
+        samples = r["decode_tokens_per_s"]
+        r["decode_tokens_per_s_median"] = statistics.median(samples)
+        r["decode_tokens_per_s_range"] = [min(samples), max(samples)]
+    return record(results, windows, calibration, repeats, max_tokens, group_size)
+
+
+def record(results, windows, calibration, repeats, max_tokens, group_size) -> dict:
+    base = results.get("float32")
+    out = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "model": MODEL,
+        "heldout": {"num_windows": windows.shape[0], "window_len": windows.shape[1]},
+        "calibration": {
+            "num_windows": calibration.shape[0],
+            "window_len": calibration.shape[1],
+            "source": "standard library files other than the held-out ones",
+        },
+        "decode": {"batch": 1, "prompt_tokens": 32, "max_tokens": max_tokens, "repeats": repeats},
+        "group_size": group_size,
+        "results": results,
+    }
+    if base is not None:
+        for r in results.values():
+            r["perplexity_increase"] = r["perplexity"] - base["perplexity"]
+            r["bytes_vs_float32"] = r["weight_bytes"] / base["weight_bytes"]
+            r["speed_vs_float32"] = (
+                r["decode_tokens_per_s_median"] / base["decode_tokens_per_s_median"]
+            )
+    if base is not None and "int4 RTN" in results and "int4 GPTQ" in results:
+        rtn_loss = results["int4 RTN"]["perplexity_increase"]
+        gptq_loss = results["int4 GPTQ"]["perplexity_increase"]
+        out["goal"] = {
+            "statement": "int4 GPTQ loses at most half the perplexity that int4 RTN loses",
+            "rtn_perplexity_increase": rtn_loss,
+            "gptq_perplexity_increase": gptq_loss,
+            "ratio": gptq_loss / rtn_loss if rtn_loss > 0 else None,
+            "met": rtn_loss > 0 and gptq_loss <= GOAL_RATIO * rtn_loss,
+        }
+    return out
+
+
+def print_table(rec: dict) -> None:
+    print(
+        f"\n{rec['model']} on {rec['machine']}, {rec['threads']} thread(s); perplexity over "
+        f"{rec['heldout']['num_windows']} held-out windows; decode batch 1, median of "
+        f"{rec['decode']['repeats']} round-robin repeats [min, max]"
+    )
+    header = f"{'variant':<11} {'perplexity':>10} {'+ppl':>7} {'weights MiB':>11} {'x f32':>6}"
+    print(f"{header} {'decode tok/s':>13} {'[min, max]':>15} {'x f32':>6}")
+    for name, r in rec["results"].items():
+        low, high = r["decode_tokens_per_s_range"]
+        print(
+            f"{name:<11} {r['perplexity']:10.3f} {r.get('perplexity_increase', 0):+7.3f} "
+            f"{r['weight_bytes'] / 2**20:11.2f} {r.get('bytes_vs_float32', 1):6.3f} "
+            f"{r['decode_tokens_per_s_median']:13.1f} {f'[{low:.0f}, {high:.0f}]':>15} "
+            f"{r.get('speed_vs_float32', 1):6.2f}"
+        )
+    goal = rec.get("goal")
+    if goal is not None:
+        verdict = "met" if goal["met"] else "NOT met"
+        print(
+            f"\ngoal: {goal['statement']}: {verdict} (GPTQ +{goal['gptq_perplexity_increase']:.3f}"
+            f" vs RTN +{goal['rtn_perplexity_increase']:.3f}, ratio {goal['ratio']:.2f})"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minillm.lab.quant_bench", description=__doc__)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
+    parser.add_argument("--num-windows", type=int, default=None, help="default: all")
+    parser.add_argument("--calibration-tokens", type=int, default=8192)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", default=None, help="default: benchmarks/results/ of a clone")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rec = run(
+        repeats=args.repeats,
+        num_windows=args.num_windows,
+        calibration_tokens=args.calibration_tokens,
+        max_tokens=args.max_tokens,
+    )
+    print_table(rec)
+    target = args.json
+    if target is None and RESULTS_DIR.is_dir():
+        target = RESULTS_DIR / "quantization_cpu.json"
+    if target is not None:
+        pathlib.Path(target).write_text(json.dumps(rec, indent=2) + "\n")
+        print(f"written to {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

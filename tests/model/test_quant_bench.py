@@ -1,0 +1,32 @@
+"""The quantization benchmark's bookkeeping on a tiny run (its speeds are measured, never
+asserted)."""
+
+import json
+
+import pytest
+
+from minillm.lab import quant_bench
+
+
+@pytest.mark.slow
+def test_a_small_run_records_every_variant_and_the_goal(tmp_path, capsys):
+    path = tmp_path / "q.json"
+    assert quant_bench.main(
+        ["--repeats", "2", "--num-windows", "1", "--calibration-tokens", "256",
+         "--max-tokens", "3", "--json", str(path)]
+    ) == 0  # fmt: skip
+    rec = json.loads(path.read_text())
+    assert list(rec["results"]) == [v.name for v in quant_bench.VARIANTS]
+    for key in ("date", "machine", "cpu_count", "threads", "torch", "python"):
+        assert rec[key]
+    f32, int4 = rec["results"]["float32"], rec["results"]["int4 RTN"]
+    assert f32["perplexity_increase"] == 0 and f32["bytes_vs_float32"] == 1
+    assert 0.25 < int4["bytes_vs_float32"] < 0.35
+    assert len(int4["decode_tokens_per_s"]) == 2
+    low, high = int4["decode_tokens_per_s_range"]
+    assert low <= int4["decode_tokens_per_s_median"] <= high
+    goal = rec["goal"]
+    assert goal["met"] == (
+        goal["gptq_perplexity_increase"] <= 0.5 * goal["rtn_perplexity_increase"]
+    )
+    assert "goal: int4 GPTQ loses at most half" in capsys.readouterr().out
