@@ -763,7 +763,12 @@ def main(argv: list[str] | None = None) -> int:
         help="folder for the JSON results file (default: benchmarks/results)",
     )
     parser.add_argument("--quick", action="store_true", help="one case per kernel")
-    parser.add_argument("--only", nargs="+", choices=list(KERNEL_BENCHMARKS), help="only these")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        choices=list(KERNEL_BENCHMARKS),
+        help="only these kernels (none, with --sweeps: the sweeps alone)",
+    )
     parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph steps")
     parser.add_argument(
         "--sweeps", action="store_true", help="also time other tile and pipeline configurations"
