@@ -17,13 +17,16 @@ FLOPs done per call, from which the benchmarks draw the roofline.
 - `minillm.model.triton_backend`: the engine's "triton" attention backend built from them.
 - `kernels.checks`, `kernels.device`: the launchers' input checks, and the device facts
   (SM count, shared memory) their block sizes depend on.
-- `minillm.lab.aot`: every kernel compiled ahead of time for a GPU architecture, without a GPU.
+- `minillm.lab.aot`: every kernel compiled ahead of time for a GPU architecture, without a GPU,
+  the way the JIT compiles it there, and what the compiler made of it.
 - `minillm.lab.kernel_bench`: every kernel timed beside its PyTorch baseline on a GPU's roofline.
 
 Tests: tests/kernels/ compares each kernel with its reference on hypothesis-drawn shapes,
 under the interpreter on a CPU and compiled on a GPU; tests/kernels/test_gpu_compile.py
-compiles every kernel for sm_90 and sm_89 without a GPU. Benchmarks: `python -m
-minillm.lab.kernel_bench` on a GPU; scripts/gpu_check.sh runs every GPU check at once.
+compiles every kernel for sm_90, sm_89 and sm_75 without a GPU, as the JIT would, and reads
+the result (shared memory, registers, spills, cp.async pipelining, tensor-core
+instructions). Benchmarks: `python -m minillm.lab.kernel_bench` on a GPU;
+scripts/gpu_check.sh runs every GPU check at once, within a time budget.
 
 Running without a GPU. Triton decides when `@triton.jit` runs, that is when a kernel module
 is imported, whether the kernel is compiled for a GPU or run by its interpreter, a NumPy

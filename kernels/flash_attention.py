@@ -304,6 +304,13 @@ def flash_attention(
         check_same_device(name, t, q)
         check_contiguous(name, t)
 
+    if cu_seqlens.device.type == "cpu" and num_seqs:  # free to check here; on a GPU, a sync
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if longest > max_seqlen:
+            raise ValueError(
+                f"max_seqlen ({max_seqlen}) is less than the longest sequence ({longest}): its "
+                "rows past max_seqlen would never be computed"
+            )
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0 or max_seqlen <= 0:
         return out

@@ -161,6 +161,13 @@ def test_bad_input_is_rejected_before_launch(name, change, message):
         flash_attention(**args)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="checked where cu_seqlens is on the host")
+def test_an_understated_max_seqlen_is_rejected():
+    args = valid_args() | {"max_seqlen": 4}  # the second sequence brings 5 tokens
+    with pytest.raises(ValueError, match=r"max_seqlen \(4\) is less than the longest .* \(5\)"):
+        flash_attention(**args)
+
+
 def test_cost_model():
     # one sequence: 3 new tokens after a 4-token prefix sees 4*3 + (1 + 2 + 3) = 18 pairs
     assert attended_pairs(3, 4) == 18

@@ -77,6 +77,14 @@ def test_bad_input_is_rejected_before_launch(change, message):
         rms_norm(x, w, 1e-6, r)
 
 
+def test_a_row_longer_than_one_program_holds_is_rejected():
+    from kernels.rmsnorm import MAX_HIDDEN_SIZE
+
+    x = torch.empty(1, MAX_HIDDEN_SIZE + 1, device=DEVICE)
+    with pytest.raises(ValueError, match=r"0 < hidden_size <= 32768, got \(1, 32769\)"):
+        rms_norm(x, torch.empty(MAX_HIDDEN_SIZE + 1, device=DEVICE), 1e-6)
+
+
 def test_cost_model():
     # 4 rows of 1024 float16: x in, y out, weight once = (2 * 4096 + 1024) * 2 bytes
     assert rms_norm_bytes(4, 1024, 2, residual=False) == (2 * 4096 + 1024) * 2
@@ -86,7 +94,7 @@ def test_cost_model():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden_size", [4096, 8192, 65536])
+@pytest.mark.parametrize("hidden_size", [4096, 8192, 32768])
 def test_rms_norm_at_real_sizes(dtype, hidden_size):
     x, residual = torch.randn(2, 8192, hidden_size, device="cuda", dtype=dtype).unbind(0)
     weight = torch.randn(hidden_size, device="cuda", dtype=dtype)
