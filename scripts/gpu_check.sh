@@ -83,7 +83,8 @@ def run(*cmd):
     except (OSError, subprocess.SubprocessError):
         return None
 have = {}
-for name in ("triton", "pytest", "hypothesis", "xdist", "transformers", "tokenizers", "safetensors", "numpy"):
+for name in ("triton", "numpy", "tqdm", "safetensors", "tokenizers", "pytest", "hypothesis",
+             "xdist", "transformers"):
     try:
         have[name] = getattr(importlib.import_module(name), "__version__", "present")
     except Exception as exc:
