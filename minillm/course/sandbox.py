@@ -221,11 +221,13 @@ def _first_line(text: str) -> str:
 
 
 def _hypothesis_example(exc: BaseException) -> str | None:
-    """Hypothesis's 'Falsifying example: check(x=1)' note, on one line."""
+    """Hypothesis's falsifying example ('check(n=1, bits=4)'), on one line."""
     for note in getattr(exc, "__notes__", []) or []:
-        if note.startswith("Falsifying example"):
+        if note.startswith(("Falsifying example", "Failing test case")):
             body = note.split(":", 1)[1]
-            return " ".join(body.split()).replace("( ", "(").replace(", )", ")")
+            lines = (line.split("#", 1)[0] if "#" in line else line for line in body.splitlines())
+            text = " ".join(" ".join(lines).split())
+            return text.replace("( ", "(").replace(", )", ")").replace(" )", ")")
     return None
 
 

@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import pytest
 import torch
 
 from .conftest import ROOT
-from .exercise_checks import ExerciseChecks, FromNamespace
+from .exercise_checks import (
+    ExerciseChecks,
+    FromNamespace,
+    exercise_namespace,
+    run_cell,
+    wrong_in_place,
+)
 
 
 def greedy_loop(model, prompt_ids, max_tokens, position=-1, keep_prompt=False):
@@ -98,11 +106,15 @@ def gaps_ms(times):
     return [(later - earlier) * 1e3 for earlier, later in zip(times, times[1:], strict=False)]
 
 
-def concurrency(c, usable_bytes, context_len, dtype_bytes, heads=None, rounding=math.floor):
-    """Requests that fit in usable_bytes, with knobs for the heads counted and the rounding."""
+def concurrency(
+    c, usable_bytes, context_len, dtype_bytes, heads=None, rounding=math.floor, clamp=True
+):
+    """Requests that fit in usable_bytes, with knobs for the heads counted, the rounding and
+    the clamp at 0 when the weights do not fit."""
     heads = c.num_key_value_heads if heads is None else heads
     per_request = context_len * 2 * c.num_hidden_layers * heads * c.head_dim * dtype_bytes
-    return max(0, rounding(usable_bytes / per_request))
+    fit = rounding(usable_bytes / per_request)
+    return max(0, fit) if clamp else fit
 
 
 def engine_generate(ns):
@@ -146,6 +158,9 @@ WRONG_ANSWERS = {
         "query heads": lambda c, m, w, L, u=0.9, b=2: concurrency(
             c, u * m - w, L, b, heads=c.num_attention_heads
         ),
+        "negative when the weights do not fit": lambda c, m, w, L, u=0.9, b=2: concurrency(
+            c, u * m - w, L, b, clamp=False
+        ),
     },
     "generate_without_cache": {
         "prompt included": lambda m, ids, n: greedy_loop(m, ids, n, keep_prompt=True),
@@ -182,6 +197,25 @@ WRONG_ANSWERS = {
         "stop token not counted": finish_with(("eos", "stop", "length"), count_stop_token=False),
     },
 }
+
+
+# right answers in other forms the statements allow: each must pass
+RIGHT_ANSWERS = {
+    "latencies_ms": {
+        "a NumPy array of gaps": lambda a, t: ((t[0] - a) * 1e3, np.diff(np.asarray(t)) * 1e3),
+        "a tuple of gaps": lambda a, t: ((t[0] - a) * 1e3, tuple(gaps_ms(t))),
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "name, label", [(n, label) for n, answers in RIGHT_ANSWERS.items() for label in answers]
+)
+def test_check_accepts_a_right_answer_in_another_form(name, label):
+    namespace, checks = exercise_namespace(
+        ROOT / "solutions" / "ch01_request_journey.ipynb", RIGHT_ANSWERS
+    )
+    run_cell(checks[name], wrong_in_place(namespace, name, RIGHT_ANSWERS[name][label]))
 
 
 class TestChecks(ExerciseChecks):

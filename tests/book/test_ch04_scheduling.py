@@ -106,7 +106,7 @@ def admit(vllm_need, trt_need, sglang_strict=True, stop=True):
 def right_victim(engine, running):
     if engine == "vllm":
         return running[-1][0]
-    return min(running, key=lambda r: (r[2], -r[1]))[0]
+    return min(reversed(running), key=lambda r: (r[2], -r[1]))[0]
 
 
 WRONG_ANSWERS = {
@@ -183,6 +183,9 @@ WRONG_ANSWERS = {
         ),
         "SGLang ties by shortest prompt": lambda e, r: (
             right_victim(e, r) if e == "vllm" else min(r, key=lambda x: (x[2], x[1]))[0]
+        ),
+        "SGLang takes the oldest of a full tie": lambda e, r: (
+            right_victim(e, r) if e == "vllm" else min(r, key=lambda x: (x[2], -x[1]))[0]
         ),
     },
 }
