@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     ppl.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"])
     ppl.add_argument("--quantization-method", default="rtn", choices=["rtn", "gptq", "awq"])
     ppl.add_argument("--group-size", type=int, default=128, help="int4: inputs per scale")
-    ppl.add_argument("--act-order", action="store_true", help="GPTQ: columns by activation")
+    ppl.add_argument("--no-act-order", action="store_true", help="GPTQ: columns in their own order")
     ppl.add_argument("--calibration-tokens", type=int, default=8192)
     ppl.add_argument("--num-windows", type=int, default=None, help="default: all")
     ppl.set_defaults(func=_run_ppl)
@@ -60,7 +60,7 @@ def _run_ppl(args: argparse.Namespace) -> int:
             args.group_size,
             args.quantization_method,
             calibration,
-            args.act_order,
+            not args.no_act_order,
         )
         label = f"{args.quantization} {args.quantization_method}"
         print(f"quantized in {time.perf_counter() - start:.1f} s", file=sys.stderr)

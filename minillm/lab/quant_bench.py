@@ -3,11 +3,11 @@
     python -m minillm.lab.quant_bench            # writes benchmarks/results/quantization_cpu.json
 
 The bundled target model runs through the engine (`LLM`) in float32 and bfloat16 and,
-quantized from its float32 weights, as int8 RTN (W8A16), int4 RTN, GPTQ and AWQ (W4A16,
-group size 128) and FP8 (E4M3 weights). For each: perplexity on the held-out windows
-beside the model, the bytes of its weights, and batch-1 decode speed (1 / TPOT) repeated
-round robin over the variants, so that a slow moment of a shared machine hits all of them
-alike; the median and the range of the repeats are reported.
+quantized from its float32 weights, as int8 RTN (W8A16), int4 RTN, GPTQ (with and without
+act-order) and AWQ (W4A16, group size 128) and FP8 (E4M3 weights). For each: perplexity
+on the held-out windows beside the model, the bytes of its weights, and batch-1 decode
+speed (1 / TPOT) repeated round robin over the variants, so that a slow moment of a shared
+machine hits all of them alike; the median and the range of the repeats are reported.
 
 What the speed measures here: on a CPU the quantized layers dequantize their weights on
 every call and then run an ordinary float matmul, and a tiny model's step is dominated by
@@ -46,6 +46,7 @@ class Variant:
     dtype: str
     quantization: str | None = None
     method: str = "rtn"
+    act_order: bool = True  # GPTQ only
 
 
 VARIANTS = (
@@ -54,6 +55,7 @@ VARIANTS = (
     Variant("int8 RTN", "float32", "int8"),
     Variant("int4 RTN", "float32", "int4"),
     Variant("int4 GPTQ", "float32", "int4", "gptq"),
+    Variant("int4 GPTQ, no act-order", "float32", "int4", "gptq", act_order=False),
     Variant("int4 AWQ", "float32", "int4", "awq"),
     Variant("fp8", "float32", "fp8"),
 )
@@ -76,6 +78,7 @@ def build(variant: Variant, calibration: torch.Tensor, group_size: int):
             group_size,
             variant.method,
             None if variant.method == "rtn" else calibration,
+            variant.act_order,
         )
     return llm, time.perf_counter() - start
 
@@ -117,6 +120,7 @@ def run(
             "dtype": variant.dtype,
             "quantization": variant.quantization,
             "method": variant.method if variant.quantization else None,
+            "act_order": variant.act_order if variant.method == "gptq" else None,
             "group_size": group_size if variant.quantization == "int4" else None,
             "quantize_s": round(quantize_s, 2),
             "perplexity": perplexity(model, windows),
@@ -173,6 +177,9 @@ def record(results, windows, calibration, repeats, max_tokens, group_size) -> di
             "ratio": gptq_loss / rtn_loss if rtn_loss > 0 else None,
             "met": rtn_loss > 0 and gptq_loss <= GOAL_RATIO * rtn_loss,
         }
+        plain = results.get("int4 GPTQ, no act-order")
+        if plain is not None and rtn_loss > 0:
+            out["goal"]["ratio_without_act_order"] = plain["perplexity_increase"] / rtn_loss
     return out
 
 
@@ -182,12 +189,12 @@ def print_table(rec: dict) -> None:
         f"{rec['heldout']['num_windows']} held-out windows; decode batch 1, median of "
         f"{rec['decode']['repeats']} round-robin repeats [min, max]"
     )
-    header = f"{'variant':<11} {'perplexity':>10} {'+ppl':>7} {'weights MiB':>11} {'x f32':>6}"
+    header = f"{'variant':<24} {'perplexity':>10} {'+ppl':>7} {'weights MiB':>11} {'x f32':>6}"
     print(f"{header} {'decode tok/s':>13} {'[min, max]':>15} {'x f32':>6}")
     for name, r in rec["results"].items():
         low, high = r["decode_tokens_per_s_range"]
         print(
-            f"{name:<11} {r['perplexity']:10.3f} {r.get('perplexity_increase', 0):+7.3f} "
+            f"{name:<24} {r['perplexity']:10.3f} {r.get('perplexity_increase', 0):+7.3f} "
             f"{r['weight_bytes'] / 2**20:11.2f} {r.get('bytes_vs_float32', 1):6.3f} "
             f"{r['decode_tokens_per_s_median']:13.1f} {f'[{low:.0f}, {high:.0f}]':>15} "
             f"{r.get('speed_vs_float32', 1):6.2f}"
@@ -199,6 +206,8 @@ def print_table(rec: dict) -> None:
             f"\ngoal: {goal['statement']}: {verdict} (GPTQ +{goal['gptq_perplexity_increase']:.3f}"
             f" vs RTN +{goal['rtn_perplexity_increase']:.3f}, ratio {goal['ratio']:.2f})"
         )
+        if "ratio_without_act_order" in goal:
+            print(f"      without act-order the ratio is {goal['ratio_without_act_order']:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:

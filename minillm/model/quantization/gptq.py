@@ -29,15 +29,16 @@ updates at once, as one matrix product Err_block @ U_block,after. Same result, f
 memory passes.
 
 Dampening: H + lambda I with lambda = 1% of the mean diagonal, so that H is safely
-invertible when the calibration data does not span every input direction. Act-order
-(optional): quantize columns in descending order of H_ii (the inputs with the largest
-activations first, while the most columns remain to absorb their error). The grid (scales,
-zero points) of every group is fixed beforehand from the original weights — RTN's grid,
-"static groups" — so act-order keeps contiguous groups, and GPTQ differs from RTN only in
-which codes it chooses.
+invertible when the calibration data does not span every input direction. Act-order:
+quantize the columns in descending order of H_ii (the inputs with the largest activations
+first, while the most columns remain to absorb their error). The grid (scales, zero points)
+of every group is fixed beforehand from the original weights — RTN's grid, "static groups"
+— so GPTQ differs from RTN only in which codes it chooses, and act-order changes the order
+of the work but not the layout: the groups stay contiguous, and inference costs the same.
 
 GPTQ is greedy: each column's error is compensated as well as possible, but rounding the
-compensated columns can land a row, in rare cases, above plain rounding's error. Here each
+compensated columns can leave a row above plain rounding's error (a few percent of the rows
+of small random layers, in this package's tests). Here each
 row keeps whichever of the two has the smaller error on the calibration data
 (`keep_better_rows`), which costs one [N, K] x [K, K] product per layer.
 """

@@ -96,7 +96,7 @@ def quantize_model(
     group_size: int = 128,
     method: str = "rtn",
     calibration: torch.Tensor | None = None,
-    act_order: bool = False,
+    act_order: bool = True,
 ) -> nn.Module:
     """Quantize a `LlamaForCausalLM`'s decoder linears in place; returns the model.
 
@@ -104,7 +104,9 @@ def quantize_model(
     or "fp8" (E4M3 weights, per channel); group_size: input channels per int4 scale;
     method: how the integer codes are chosen, "rtn", "gptq" or "awq"; calibration: token ids
     [num_windows, seq_len] (GPTQ and AWQ; see `default_calibration`); act_order: GPTQ's
-    column order by decreasing activation energy.
+    columns in order of decreasing activation energy (free at inference here, see
+    `minillm.model.quantization.gptq`; on the bundled model GPTQ loses less perplexity with
+    it, see benchmarks/results/quantization_cpu.json).
     """
     check_quantization_args(quantization, group_size, method)
     if linear_layers(model):
