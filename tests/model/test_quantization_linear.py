@@ -29,7 +29,7 @@ def assert_matches(y: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) 
     torch.testing.assert_close(y.double().cpu(), expected.cpu(), atol=tol, rtol=TOLERANCE[dtype])
 
 
-def int4_case(data, gen, n, k, group_size, symmetric, permuted):
+def int4_case(gen, n, k, group_size, symmetric, permuted):
     """Random codes, scales, zeros (and permutation); the oracle's weight built by loops."""
     groups = k // group_size
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
@@ -60,7 +60,7 @@ def test_int4_torch_path_matches_the_oracle(
 ):
     gen = torch.Generator().manual_seed(seed)
     k = num_groups * group_size
-    codes, scales, zeros, perm, weight = int4_case(None, gen, n, k, group_size, symmetric, permuted)
+    codes, scales, zeros, perm, weight = int4_case(gen, n, k, group_size, symmetric, permuted)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     layer = Int4Linear(codes, scales, zeros, group_size, b, dtype, perm)
     torch.testing.assert_close(layer.dequantize().double(), weight, atol=0, rtol=0)
@@ -84,7 +84,7 @@ def test_int4_triton_path_matches_the_same_oracle(
 ):
     gen = torch.Generator().manual_seed(seed)
     k = num_groups * 32
-    codes, scales, zeros, perm, weight = int4_case(None, gen, n, k, 32, symmetric, permuted)
+    codes, scales, zeros, perm, weight = int4_case(gen, n, k, 32, symmetric, permuted)
     layer = Int4Linear(codes, scales, zeros, 32, None, dtype, perm).to(DEVICE)
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
     assert layer.has_kernel
