@@ -37,7 +37,10 @@ def pytest_collection_modifyitems(session, config, items) -> None:
             continue
         label = f"Exercise {numbers[cell_num]}"
         item.name = label
-        item._nodeid = f"{parent.nodeid}::{label}"
+        if hasattr(item, "_id") and hasattr(parent, "id"):  # pytest >= 9: structured node ids
+            item._id = parent.id.child(label)
+        else:
+            item._nodeid = f"{parent.nodeid}::{label}"
         location = f"{parent.nodeid}::{label}"
         item.reportinfo = lambda location=location, path=item.path: (path, 0, location)
         repr_failure = item.repr_failure

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -296,3 +298,88 @@ def test_cli_reports_a_missing_config(project, capsys):
     assert main(["exercises", "release", *project.cli_folders()]) == 1
     assert "_config.yml not found" in capsys.readouterr().err
     assert not project.exercises.exists()
+
+
+def test_release_keeps_the_solutions_ids_through_inserted_cells(project):
+    path = write_notebook(project.solutions / "ch01_fixture.ipynb", notebook(SOLUTION_CELLS))
+    release(project.solutions, project.exercises, REPO_URL)
+    before = {c.id: c.source for c in released(project).cells}
+    solution = nbformat.read(path, as_version=4)
+    solution.cells[1:1] = [md("A new introduction."), code("LIMIT = 3")]
+    write_notebook(path, solution)
+    release(project.solutions, project.exercises, REPO_URL)
+    after = {c.id: c.source for c in released(project).cells}
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert [c.id for c in released(project).cells][4:] == [
+        "double",
+        "double-check",
+        "square",
+        "square-check",
+        "mean",
+        "mean-check",
+    ]
+
+
+def test_release_refuses_ids_not_derived_from_names_and_fix_ids_gives_them(project, capsys):
+    solution = notebook(SOLUTION_CELLS)
+    solution.cells[3].id = "cell-3"
+    path = write_notebook(project.solutions / "ch01.ipynb", solution)
+    assert main(["exercises", "release", *project.cli_folders()]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "exercise 1 (double): cell ids ['double', 'cell-3'] should be ['double', 'double-check']; "
+        "run `minillm exercises release --fix-ids`"
+    ) in err
+    assert main(["exercises", "release", "--fix-ids", *project.cli_folders()]) == 0
+    assert nbformat.read(path, as_version=4).cells[3].id == "double-check"
+
+
+def test_release_refuses_two_exercises_of_one_name(project):
+    cells = [
+        *SOLUTION_CELLS[1:3],
+        code(SOLUTION_CELLS[1].source, "double-2"),
+        code("# GRADED: 1 point"),
+    ]
+    write_notebook(project.solutions / "ch01.ipynb", notebook(cells))
+    with pytest.raises(ReleaseError, match="exercise 2: named 'double' like exercise 1"):
+        release(project.solutions, project.exercises, REPO_URL)
+
+
+def test_release_refuses_a_check_that_needs_an_earlier_check(project):
+    cells = [
+        SOLUTION_CELLS[1],
+        code("# GRADED: 2 points\nEXPECTED = 6\nassert double(3) == EXPECTED", "double-check"),
+        SOLUTION_CELLS[3],
+        code("# GRADED: 1 point\nassert square(3) == EXPECTED + 3", "square-check"),
+    ]
+    write_notebook(project.solutions / "ch01.ipynb", notebook(cells))
+    with pytest.raises(
+        ReleaseError, match="the check of exercise 2 uses EXPECTED, which only an earlier check"
+    ):
+        release(project.solutions, project.exercises, REPO_URL)
+
+
+def test_pytest_names_graded_cells_by_their_exercise(project):
+    write_notebook(project.solutions / "ch01_fixture.ipynb", notebook(SOLUTION_CELLS))
+    release(project.solutions, project.exercises, REPO_URL)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--nbval-lax",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "exercises/ch01_fixture.ipynb",
+        ],
+        cwd=project.root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    failed = [
+        line.split(" - ")[0] for line in result.stdout.splitlines() if line.startswith("FAILED")
+    ]
+    assert failed == [f"FAILED exercises/ch01_fixture.ipynb::Exercise {n}" for n in (1, 2, 3)]
+    assert "Exercise 2: Cell execution caused an exception" in result.stdout
