@@ -195,7 +195,12 @@ def match_reference(
     name = meta.get("notebook") if isinstance(meta, dict) else None
     if isinstance(name, str) and folder / f"{name}.ipynb" in candidates:
         return folder / f"{name}.ipynb", "metadata"
-    defined = {n for cell in nb.cells if cell.cell_type == "code" for n, _ in _definitions(cell)}
+    defined = {
+        name
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for name, _ in top_level_definitions(cell.source)
+    }
     best, best_count = None, 0
     for candidate in candidates:
         try:
@@ -212,10 +217,6 @@ def match_reference(
         if count > best_count:
             best, best_count = candidate, count
     return best, "functions it defines"
-
-
-def _definitions(cell: nbformat.NotebookNode) -> list[tuple[str, str]]:
-    return top_level_definitions(cell.source)
 
 
 # ---------------------------------------------------------------------------------------
@@ -447,6 +448,8 @@ def grade_notebooks(
             continue
         code = student_code(nb, ref)
         grade.notes = list(code.general)
+        if reference is None:
+            grade.notes.extend(_own_checks_changed(nb, ref))
         grade.exercises = [
             ExerciseGrade(
                 ex.number,
@@ -500,6 +503,26 @@ def grade_notebooks(
                     if exercise.error == "not graded":
                         exercise.error = f"not graded: {problem}"
     return grades, problems
+
+
+def _own_checks_changed(nb: nbformat.NotebookNode, exercises: ExerciseSet) -> list[str]:
+    """What a notebook graded by its own checks says about checks it lost or re-scored,
+    compared with what its release recorded."""
+    recorded = {e["name"]: e for e in recorded_exercises(nb)}
+    present = {ex.name: ex for ex in exercises.exercises}
+    notes = [
+        f"exercise {e.get('number')} ({name}) was released with a check that this notebook "
+        "no longer has; grade it with --reference to count it"
+        for name, e in recorded.items()
+        if name not in present
+    ]
+    notes.extend(
+        f"exercise {ex.number} ({ex.name}) is worth {recorded[ex.name].get('points')} points "
+        f"as released, not {ex.points}"
+        for ex in exercises.exercises
+        if ex.name in recorded and recorded[ex.name].get("points") != ex.points
+    )
+    return notes
 
 
 def grade_notebook(

@@ -12,7 +12,7 @@ from minillm.course.bootstrap import (
     looks_like_bootstrap_cell,
     repository_url,
 )
-from minillm.course.grading import execute_notebook
+from minillm.course.notebook_io import execute_notebook
 
 from .conftest import REPO_URL, code
 

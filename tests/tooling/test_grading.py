@@ -209,9 +209,16 @@ def against_reference(tampered):
     return dict(zip(names, grades, strict=True))
 
 
-def test_without_a_reference_the_notebook_grades_itself(tampered):
+def test_without_a_reference_the_notebook_grades_itself_and_says_what_changed(tampered):
     grade = grade_notebook(tampered / "class" / "weakened.ipynb", TIMEOUT_S)
     assert (grade.points, grade.max_points) == (56, 56)
+    grade = grade_notebook(tampered / "class" / "deleted.ipynb", TIMEOUT_S)
+    assert (grade.points, grade.max_points) == (0, 0)
+    assert grade.notes[0] == (
+        "exercise 1 (double) was released with a check that this notebook no longer has; "
+        "grade it with --reference to count it"
+    )
+    assert len(grade.notes) == 3
 
 
 def test_checks_and_points_come_from_the_reference(against_reference):

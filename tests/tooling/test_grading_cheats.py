@@ -278,6 +278,16 @@ def test_tampering_is_named(cheats):
     assert "EXAMPLES" in grades["mutate a setup table"].exercises[0].error
 
 
+def test_a_hard_coded_answer_fails_on_hypothesiss_input(cheats):
+    exercise = cheats["grades"]["patch minillm at the top level"].exercises[0]
+    assert exercise.input == "check(n=0)"
+    assert exercise.checked == "assert weight_bytes_bf16(n) == reference_weight_bytes(n)"
+    assert exercise.error == (
+        "AssertionError: weight_bytes_bf16(n) == reference_weight_bytes(n) is false: "
+        "weight_bytes_bf16(n) = 16060000000, reference_weight_bytes(n) = 0"
+    )
+
+
 def test_a_redefined_setup_name_is_pointed_out(cheats):
     [note] = cheats["grades"]["redefine the setup's oracle in the answer"].exercises[0].notes
     assert note.startswith("your code defines reference_weight_bytes, which the notebook's setup")
