@@ -592,6 +592,7 @@ class Child:
     submission: int
     exercise: int
     fd: int
+    output_fd: int  # the file the child's stdout and stderr go to, opened here
     workdir: str
     nonce: str
     deadline: float
@@ -686,6 +687,11 @@ class Grader:
         workdir = os.path.join(self.workdir, f"s{i}-e{k}-{self.count}")
         os.mkdir(workdir)
         read_fd, write_fd = os.pipe()
+        # opened here, read back through this descriptor: whatever the child does to the
+        # file's name (a link to the reference, say) cannot make this process read another
+        output_fd = os.open(
+            os.path.join(workdir, "output.txt"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600
+        )
         nonce = secrets.token_hex(16)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -693,13 +699,24 @@ class Grader:
         if pid == 0:  # the child: never returns to this loop
             try:
                 os.close(read_fd)
-                _child(self, k, submission, code, filename, check_source, workdir, write_fd, nonce)
+                _child(
+                    self,
+                    k,
+                    submission,
+                    code,
+                    filename,
+                    check_source,
+                    workdir,
+                    write_fd,
+                    output_fd,
+                    nonce,
+                )
             finally:
                 os._exit(1)
         os.close(write_fd)
         os.set_blocking(read_fd, False)
         now = time.monotonic()
-        child = Child(pid, i, k, read_fd, workdir, nonce, now + self.timeout_s, now)
+        child = Child(pid, i, k, read_fd, output_fd, workdir, nonce, now + self.timeout_s, now)
         self.running[pid] = child
         self.selector.register(read_fd, selectors.EVENT_READ, child)
         self.send({"event": "start", "submission": i, "exercise": k})
@@ -735,7 +752,8 @@ class Grader:
                 "error": f"Crash: the process checking exercise {number} ended ({how}) before "
                 "the check finished: an exit call, a crash in native code, or too much memory",
             }
-        result["output"] = _tail(os.path.join(child.workdir, "output.txt"))
+        result["output"] = _tail(child.output_fd)
+        os.close(child.output_fd)
         shutil.rmtree(child.workdir, ignore_errors=True)
         result.update(
             {
@@ -766,13 +784,15 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
-def _tail(path: str) -> str:
+def _tail(fd: int) -> str:
+    """The end of what a child printed."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
+        size = os.fstat(fd).st_size
+        os.lseek(fd, max(0, size - 4 * OUTPUT_TAIL_CHARS), os.SEEK_SET)
+        data = os.read(fd, 4 * OUTPUT_TAIL_CHARS)
     except OSError:
         return ""
-    return text[-OUTPUT_TAIL_CHARS:]
+    return data.decode("utf-8", errors="replace")[-OUTPUT_TAIL_CHARS:]
 
 
 def _parse_result(data: bytes, nonce: str) -> dict | None:
@@ -842,6 +862,7 @@ def _child(
     check_source: str,
     workdir: str,
     result_fd: int,
+    output: int,
     nonce: str,
 ) -> None:
     """Run exercise k's check on one submission; writes one JSON line, then exits."""
@@ -855,13 +876,13 @@ def _child(
             _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
-        output = os.open(os.path.join(workdir, "output.txt"), os.O_WRONLY | os.O_CREAT, 0o600)
         os.dup2(output, 1)
         os.dup2(output, 2)
         os.close(devnull)
         os.close(output)
         # the pipes to the caller and to the other children are not the student's to write
         for fd in (
+            *(c.output_fd for c in grader.running.values()),
             grader.events.fileno(),
             grader.selector.fileno(),
             *(c.fd for c in grader.running.values()),

@@ -169,6 +169,16 @@ CHEATS = {
         None,
         {"weight_bytes_bf16": 0, "square": 1},
     ),
+    "link the printed output to the reference": (
+        {
+            "weight_bytes_bf16": "import os\n"
+            "os.unlink('output.txt')\n"
+            "os.symlink(REFERENCE, 'output.txt')\n" + HARD_CODED,
+            "square": SQUARE,
+        },
+        None,
+        {"weight_bytes_bf16": 0, "square": 1},
+    ),
     "leave before the check fails": (
         {"weight_bytes_bf16": "raise SystemExit(0)", "square": "import os\nos._exit(0)"},
         None,
@@ -286,6 +296,11 @@ def test_a_hard_coded_answer_fails_on_hypothesiss_input(cheats):
         "AssertionError: weight_bytes_bf16(n) == reference_weight_bytes(n) is false: "
         "weight_bytes_bf16(n) = 16060000000, reference_weight_bytes(n) = 0"
     )
+
+
+def test_the_grader_reads_back_only_what_was_printed(cheats):
+    exercise = cheats["grades"]["link the printed output to the reference"].exercises[0]
+    assert "BEGIN SOLUTION" not in exercise.output
 
 
 def test_a_redefined_setup_name_is_pointed_out(cheats):
