@@ -19,11 +19,12 @@ import sys
 SUBCOMMANDS = {
     "generate": ("minillm.cli.generate", "complete prompts with a model"),
     "bench": ("minillm.lab.bench", "benchmarks (speed is measured, never asserted)"),
+    "eval": ("minillm.cli.eval", "measure a model: perplexity, weight bytes"),
     "exercises": (
         "minillm.course.exercises",
         "release exercise notebooks from their solutions, or check them",
     ),
-    "grade": ("minillm.course.grading", "run exercise notebooks and score their graded cells"),
+    "grade": ("minillm.course.grading", "grade exercise notebooks against the reference checks"),
     "notebooks": (
         "minillm.course.notebooks",
         "regenerate book/*.ipynb (for Colab) from the book/*.md sources",

@@ -56,6 +56,11 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # the waiting queue's order: "fcfs", "priority" or "sjf"
     batching_type: str = "continuous"  # or "static": a new batch only when the last one is done
     stats_window: int = 1024  # steps of per-step statistics kept (a bounded window)
+    # weights quantized after loading (vLLM's option): "int8" (W8A16), "int4" (W4A16, group-wise)
+    # or "fp8" (E4M3 weights); None: as the checkpoint stores them (GPTQ/AWQ are read as such)
+    quantization: str | None = None
+    quantization_group_size: int = 128  # int4: input channels per scale and zero point
+    quantization_method: str = "rtn"  # how integer codes are chosen: "rtn", "gptq" or "awq"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is None:
@@ -92,6 +97,17 @@ class EngineArgs:
             or not (0 < utilization <= 1)
         ):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        if self.quantization is not None:
+            # imported here: the quantized layers load triton, which other engines never need
+            from minillm.model.quantization import check_quantization_args
+
+            check_quantization_args(
+                self.quantization, self.quantization_group_size, self.quantization_method
+            )
+        elif (self.quantization_method, self.quantization_group_size) != ("rtn", 128):
+            raise ValueError(
+                "quantization_method and quantization_group_size apply only with quantization"
+            )
         # the scheduler's own rules, with the defaults a model does not change
         check_scheduler_options(
             self.max_num_seqs,

@@ -52,6 +52,8 @@ class LLMEngine:
         on_cuda = device.type == "cuda"
         backend = args.attention_backend or ("triton" if on_cuda else "torch")
         loaded = load_model(args.model, args.dtype, device, backend)
+        if args.quantization is not None:
+            quantize_loaded_model(loaded, args)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
@@ -278,6 +280,27 @@ class LLMEngine:
             if state is not None:
                 self.abort_request(state.request_id, error=message)
         return sampled
+
+
+def quantize_loaded_model(loaded, args: EngineArgs) -> None:
+    """Quantize the freshly loaded model's decoder linears in place (`args.quantization`);
+    GPTQ and AWQ calibrate on standard library text that is not held out. The float weights
+    they replace are freed before the KV cache is sized, so a smaller model leaves more room
+    for the cache."""
+    from minillm.model.quantization import default_calibration, quantize_model
+
+    calibration = None
+    if args.quantization_method != "rtn":
+        calibration = default_calibration(loaded.path)
+    quantize_model(
+        loaded.model,
+        args.quantization,
+        args.quantization_group_size,
+        args.quantization_method,
+        calibration,
+    )
+    if loaded.model.lm_head.weight.is_cuda:
+        torch.cuda.empty_cache()
 
 
 def gpu_kv_cache_bytes(model, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:

@@ -209,7 +209,8 @@ def load_model(
     device = resolve_device(device)
     path = resolve_model_path(model)
     config_file = path / "config.json"
-    config = ModelConfig.from_hf_config(read_json(config_file), source=config_file)
+    hf_config = read_json(config_file)
+    config = ModelConfig.from_hf_config(hf_config, source=config_file)
     dtype = resolve_dtype(dtype, config.torch_dtype, device)
     config.torch_dtype = str(dtype).removeprefix("torch.")
     state = load_safetensors(path)
@@ -221,6 +222,17 @@ def load_model(
     # Built without memory, then given the checkpoint's tensors: no random init to overwrite.
     with torch.device("meta"):
         lm = LlamaForCausalLM(config, attention_backend)
+    if "quantization_config" in hf_config:
+        # a GPTQ or AWQ checkpoint: its packed linears become Int4Linear modules here, and the
+        # rest of the state dict (embeddings, norms, LM head) loads as usual below
+        from minillm.model.quantization.checkpoint import load_quantized_linears
+
+        try:
+            state = load_quantized_linears(
+                lm, state, hf_config["quantization_config"], dtype, device
+            )
+        except ValueError as err:
+            raise ValueError(f"{weights_source(path)}: {err}") from err
     check_state_dict(lm, state, weights_source(path))
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     lm.load_state_dict(state, strict=False, assign=True)  # check_state_dict did the checking
@@ -278,6 +290,13 @@ def save_pretrained(
     `tokenizers.Tokenizer`. Without a tokenizer_config.json one is written naming the
     config's bos/eos tokens. generation_config defaults to the config's bos/eos ids.
     """
+    from minillm.model.quantization.linear import linear_layers
+
+    if linear_layers(model):  # their packed tensors are not in state_dict()
+        raise ValueError(
+            "the model has quantized layers; write it with "
+            "minillm.model.quantization.checkpoint.save_quantized"
+        )
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}

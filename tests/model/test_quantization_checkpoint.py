@@ -228,7 +228,6 @@ def test_a_checkpoint_with_wrong_shapes_is_refused(tmp_path):
         load_quantized_linears(fresh, state, quant, torch.float32, "cpu")
 
 
-@pytest.mark.xfail(strict=True, reason="load_model reads quantization_config once wired")
 def test_load_model_reads_a_quantized_directory(tmp_path):
     loaded = load_model("minillm-stdlib-target", dtype="float32")
     quantize_model(loaded.model, "int4", group_size=128)

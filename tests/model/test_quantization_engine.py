@@ -1,6 +1,5 @@
 """The engine serving quantized models: EngineArgs.quantization applied at load time, and a
-GPTQ checkpoint directory loaded by `load_model`. (Marked xfail until the engine and the
-loader call the quantization package; strict, so that the markers go when they do.)"""
+GPTQ checkpoint directory loaded by `load_model`."""
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ from minillm.model.quantization.checkpoint import save_quantized
 from minillm.sampling_params import SamplingParams
 
 TARGET = BUNDLED_MODELS_DIR / "minillm-stdlib-target"
-WIRING = pytest.mark.xfail(strict=True, reason="engine and loader wiring pending")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPT = "def fibonacci(n):"
 
@@ -31,7 +29,6 @@ def reference_tokens(model) -> list[int]:
     return out
 
 
-@WIRING
 def test_the_engine_quantizes_at_load_time_and_decodes_like_the_quantized_model():
     llm = LLM("minillm-stdlib-target", dtype="float32", device="cpu", quantization="int4")
     model = llm.engine.model_runner.model
@@ -41,7 +38,6 @@ def test_the_engine_quantizes_at_load_time_and_decodes_like_the_quantized_model(
     assert greedy_tokens(llm) == reference_tokens(direct)
 
 
-@WIRING
 def test_engine_args_check_the_quantization_options():
     with pytest.raises(ValueError, match="quantization must be"):
         LLM("minillm-stdlib-target", device="cpu", quantization="int3")
@@ -51,7 +47,6 @@ def test_engine_args_check_the_quantization_options():
         LLM("minillm-stdlib-target", device="cpu", quantization_method="gptq")
 
 
-@WIRING
 def test_the_engine_serves_a_gptq_checkpoint(tmp_path):
     loaded = load_model("minillm-stdlib-target", dtype="float32")
     quantize_model(loaded.model, "int4")
