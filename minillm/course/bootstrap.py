@@ -3,8 +3,9 @@
 Every notebook the project ships (exercises, solutions, and the Colab copies of the
 chapters) starts with the same code cell. On a machine where `minillm` imports, the
 cell does nothing. Where it does not (a fresh Colab runtime), it installs the project
-from its repository with pip's direct-reference form, `minillm @ git+<url>`, without
-constraints, so that Colab keeps its own CUDA build of torch.
+from its repository with pip's direct-reference form, `minillm[book] @ git+<url>` (the
+engine and what the chapters and exercises need to run), without constraints, so that
+Colab keeps its own CUDA build of torch.
 
 The repository URL has one home: `repository: url:` in the book's `_config.yml`, which
 also drives the book's repository button and Colab links. The `%pip` line sits inside
@@ -35,7 +36,7 @@ def bootstrap_source(repo_url: str) -> str:
         "try:\n"
         "    import minillm  # noqa: F401\n"
         "except ImportError:\n"
-        f'    %pip install --quiet "minillm @ git+{repo_url}"'
+        f'    %pip install --quiet "minillm[book] @ git+{repo_url}"'
     )
 
 

@@ -21,7 +21,7 @@ EXPECTED_SOURCE = f"""\
 try:
     import minillm  # noqa: F401
 except ImportError:
-    %pip install --quiet "minillm @ git+{REPO_URL}\""""
+    %pip install --quiet "minillm[book] @ git+{REPO_URL}\""""
 
 # Replaces %pip with a recorder and makes `import minillm` fail, as on a fresh Colab runtime.
 FAKE_COLAB = """\
@@ -84,4 +84,4 @@ def test_the_cell_is_a_no_op_with_minillm_and_installs_without_it(tmp_path):
     assert errors == {0: None, 1: None, 2: None}
     assert nb.cells[0].outputs == []
     [output] = nb.cells[2].outputs
-    assert output.text == f'pip install --quiet "minillm @ git+{REPO_URL}"\n'
+    assert output.text == f'pip install --quiet "minillm[book] @ git+{REPO_URL}"\n'
