@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	grep -v '^triton==' constraints.txt > $(VENV)/constraints-cuda.txt
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
-		-c $(CONSTRAINTS) -e '.[book,docs,test]'
+		-c $(CONSTRAINTS) -e '.[book,docs,serve,test]'
 	touch $@
 
 # Builds the HTML book into _build/html, executing every page (cached between runs).
