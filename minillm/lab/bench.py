@@ -1,4 +1,6 @@
-"""`minillm bench offline` and `minillm bench scheduler`: speed measured, never asserted.
+"""`minillm bench offline`, `bench scheduler` and `bench serve`: speed measured, never asserted.
+
+`bench serve` (a load generator for OpenAI-compatible servers) is in `minillm.lab.loadgen`.
 
 `bench offline`: continuous batching against its two baselines, in one run.
 
@@ -338,6 +340,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     scheduler.add_argument("--repeats", type=int, default=3)
     scheduler.add_argument("--json", default=None, help="write the results to this JSON file")
     scheduler.set_defaults(func=_run_scheduler)
+    from minillm.lab import loadgen
+
+    loadgen.add_parser(kinds)
 
 
 def _run_offline(args: argparse.Namespace) -> int:
