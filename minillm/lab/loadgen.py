@@ -544,6 +544,7 @@ def compare(
         "B": b,
         "ratio_b_over_a": statistics.median(b) / statistics.median(a),
         "aa_spread": max(a) / min(a),
+        "verdict": sm.ab_verdict(a, b),
     }
 
 

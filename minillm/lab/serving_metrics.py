@@ -222,3 +222,20 @@ def knee_index(latencies_s: Sequence[float], factor: float = 2.0) -> int:
         if latency > limit:
             return max(0, i - 1)
     return len(latencies_s) - 1
+
+
+def ab_verdict(a: Sequence[float], b: Sequence[float]) -> str:
+    """Compare runs of A and B of a higher-is-better metric (a throughput): "B better" when
+    the ratio of medians B / A exceeds the A/A spread max(a) / min(a), "B worse" when it is
+    below its inverse, else "no difference" (the gap is within what A alone varies by)."""
+    if len(a) < 2 or not b:
+        raise ValueError("need at least two runs of A (an A/A pair) and one of B")
+    if min(a) <= 0 or min(b) <= 0:
+        raise ValueError("the metric must be positive")
+    ratio = statistics.median(b) / statistics.median(a)
+    spread = max(a) / min(a)
+    if ratio > spread:
+        return "B better"
+    if ratio < 1 / spread:
+        return "B worse"
+    return "no difference"
