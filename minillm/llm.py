@@ -42,6 +42,18 @@ class LLM:
         # outputs not yet taken by the call that owns the request, by request id
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor or pipeline parallelism); the engine
+        cannot run afterwards. Also done at the end of a `with LLM(...) as llm:` block and
+        when the interpreter exits."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

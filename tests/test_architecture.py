@@ -17,6 +17,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC = ("minillm", "minillm.llm", "minillm.sampling_params", "minillm.outputs")
 SERVING = ("minillm.engine", "minillm.core", "minillm.worker", "minillm.model", "kernels")
+SERVING += ("minillm.distributed",)
 OFF_THE_SERVING_PATH = ("minillm.lab", "minillm.course", "minillm.training", "minillm.cli")
 # a layer imports only what is listed for it (besides itself)
 LAYERS = {
@@ -24,8 +25,10 @@ LAYERS = {
     "minillm.model": ("kernels",),
     "minillm.worker": ("minillm.core", "minillm.model", "minillm.sampling_params", "kernels")
     + ("minillm.outputs",),
+    "minillm.distributed": ("minillm.core", "minillm.worker", "minillm.model", "kernels")
+    + ("minillm.outputs", "minillm.sampling_params"),
     "minillm.engine": ("minillm.core", "minillm.worker", "minillm.model", "minillm.outputs")
-    + ("minillm.sampling_params",),
+    + ("minillm.sampling_params", "minillm.distributed"),
     "kernels": (),
 }
 

@@ -16,6 +16,7 @@ import torch
 
 from minillm.core.kv_cache_manager import PREFIX_CACHING_ALGOS
 from minillm.core.scheduler import check_scheduler_options
+from minillm.distributed.parallel_state import ParallelConfig, max_world_size
 from minillm.model.config import ModelConfig
 from minillm.model.loader import DEFAULT_MODEL
 from minillm.sampling_params import MAX_SEED, MIN_SEED
@@ -61,6 +62,11 @@ class EngineArgs:
     quantization: str | None = None
     quantization_group_size: int = 128  # int4: input channels per scale and zero point
     quantization_method: str = "rtn"  # how integer codes are chosen: "rtn", "gptq" or "awq"
+    # model parallelism over worker processes the engine spawns (minillm.distributed)
+    tensor_parallel_size: int = 1  # heads, MLP width and vocabulary split over this many ranks
+    pipeline_parallel_size: int = 1  # layers split into this many stages
+    # micro-batches a step's batch is cut into for the pipeline; None: pipeline_parallel_size
+    pipeline_micro_batches: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is None:
@@ -108,6 +114,18 @@ class EngineArgs:
             raise ValueError(
                 "quantization_method and quantization_group_size apply only with quantization"
             )
+        self.parallel_config().check_options(max_world_size(self.device_type()), self.device_type())
+        if self.pipeline_micro_batches is not None:
+            _check_int("pipeline_micro_batches", self.pipeline_micro_batches, minimum=1)
+            if self.pipeline_parallel_size == 1:
+                raise ValueError(
+                    "pipeline_micro_batches applies only with pipeline_parallel_size > 1"
+                )
+        if self.quantization is not None and self.parallel_config().world_size > 1:
+            raise ValueError(
+                "quantization runs on one process; it cannot be combined with "
+                "tensor_parallel_size or pipeline_parallel_size > 1"
+            )
         # the scheduler's own rules, with the defaults a model does not change
         check_scheduler_options(
             self.max_num_seqs,
@@ -117,6 +135,15 @@ class EngineArgs:
             self.scheduling_policy,
             self.batching_type,
         )
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    def device_type(self) -> str:
+        """ "cuda" or "cpu" (or what `device` names): where the engine will run."""
+        if self.device is None:
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return str(self.device).split(":")[0]
 
     def resolve_max_model_len(self, config: ModelConfig) -> int:
         limit = config.max_position_embeddings

@@ -22,6 +22,9 @@ import torch
 from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.request import Request, RequestStatus
 from minillm.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from minillm.distributed.executor import MultiprocExecutor, WorkerError
+from minillm.distributed.parallel_state import free_port
+from minillm.distributed.worker import StepRecord, WorkerSpec
 from minillm.engine.args import (
     EngineArgs,
     check_pool_fits,
@@ -30,6 +33,7 @@ from minillm.engine.args import (
 )
 from minillm.engine.metrics import EngineStats
 from minillm.engine.output_processor import OutputProcessor
+from minillm.model.config import torch_dtype
 from minillm.model.loader import load_model, resolve_device
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
@@ -51,7 +55,10 @@ class LLMEngine:
         device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         on_cuda = device.type == "cuda"
         backend = args.attention_backend or ("triton" if on_cuda else "torch")
-        loaded = load_model(args.model, args.dtype, device, backend)
+        parallel = args.parallel_config()
+        distributed = parallel.world_size > 1
+        # several ranks: the worker processes load the weights; this process schedules
+        loaded = load_model(args.model, args.dtype, device, backend, weights=not distributed)
         if args.quantization is not None:
             quantize_loaded_model(loaded, args)
         self.config = loaded.config
@@ -61,10 +68,15 @@ class LLMEngine:
         self.clock = clock
         self.max_model_len = args.resolve_max_model_len(self.config)
         max_num_batched_tokens = args.resolve_max_num_batched_tokens(self.max_model_len)
-        dtype = loaded.model.lm_head.weight.dtype
+        dtype = torch_dtype(self.config.torch_dtype)
         block_bytes = kv_cache_block_bytes(self.config, args.block_size, dtype)
         available_bytes = None
-        if on_cuda and args.num_gpu_blocks is None and args.kv_cache_memory_bytes is None:
+        if (
+            on_cuda
+            and not distributed
+            and args.num_gpu_blocks is None
+            and args.kv_cache_memory_bytes is None
+        ):
             available_bytes = gpu_kv_cache_bytes(
                 loaded.model, args.gpu_memory_utilization, max_num_batched_tokens
             )
@@ -83,16 +95,37 @@ class LLMEngine:
             scheduling_policy=args.scheduling_policy,
             batching_type=args.batching_type,
         )
-        sampler = Sampler(torch.Generator(self.device).manual_seed(args.seed))
-        # decode steps replay CUDA graphs unless told not to or the backend cannot be captured
-        use_graphs = on_cuda and not args.enforce_eager and backend in CUDA_GRAPH_BACKENDS
-        self.model_runner = ModelRunner(
-            loaded.model,
-            sampler,
-            num_blocks,
-            args.block_size,
-            CUDAGraphConfig(args.max_num_seqs, self.max_model_len) if use_graphs else None,
-        )
+        self.parallel_config = parallel
+        self.executor: MultiprocExecutor | None = None
+        if distributed:
+            parallel.check_model(self.config)
+            self.executor = MultiprocExecutor(
+                WorkerSpec(
+                    model=str(loaded.path),
+                    dtype=self.config.torch_dtype,
+                    device_type=device.type,
+                    attention_backend=backend,
+                    parallel=parallel,
+                    num_blocks=num_blocks,
+                    block_size=args.block_size,
+                    seed=args.seed,
+                    num_micro_batches=args.pipeline_micro_batches
+                    or parallel.pipeline_parallel_size,
+                    port=free_port(),
+                )
+            )
+            self.model_runner = self.executor
+        else:
+            sampler = Sampler(torch.Generator(self.device).manual_seed(args.seed))
+            # decode steps replay CUDA graphs unless told not to or the backend cannot be captured
+            use_graphs = on_cuda and not args.enforce_eager and backend in CUDA_GRAPH_BACKENDS
+            self.model_runner = ModelRunner(
+                loaded.model,
+                sampler,
+                num_blocks,
+                args.block_size,
+                CUDAGraphConfig(args.max_num_seqs, self.max_model_len) if use_graphs else None,
+            )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats(window=args.stats_window)
         if on_cuda:
@@ -235,6 +268,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         try:
             sampled = self.model_runner.execute_model(plan)
+        except WorkerError:
+            raise  # the worker processes are gone: no request can run any more
         except Exception as error:  # noqa: BLE001 - isolated per request below, then reported
             sampled = self._run_one_by_one(plan, error)
         except BaseException:
@@ -256,6 +291,30 @@ class LLMEngine:
                 )
         self.stats.record_step(plan, self.scheduler, self.kv_cache_manager)
         return self.output_processor.make_outputs(progressed)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a multi-process engine (nothing to do otherwise)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def collective_stats(self) -> list[StepRecord]:
+        """Per step, what the driver rank did: tokens, sampled rows, and the calls and bytes
+        of every collective (tensor parallelism: 2 * num_hidden_layers all-reduces of
+        [num_tokens, hidden_size] plus one for the vocabulary-parallel embedding, and one
+        all-gather of the sampled rows' logits). Empty on one process."""
+        if self.executor is None:
+            return []
+        return self.executor.call("step_records")[self.parallel_config.driver_rank]
+
+    def pipeline_stats(self) -> list[list[StepRecord]]:
+        """Per pipeline stage, its step records with their timing (busy and wall time)."""
+        if self.parallel_config.pipeline_parallel_size == 1:
+            raise ValueError("pipeline_stats needs an engine with pipeline_parallel_size > 1")
+        return self.executor.call("step_records")
+
+    def clear_parallel_stats(self) -> None:
+        if self.executor is not None:
+            self.executor.call("clear_step_records")
 
     def _run_one_by_one(self, plan: SchedulerOutput, batch_error: Exception) -> dict:
         """The batch failed: run each scheduled request alone to find the ones it fails on.

@@ -34,7 +34,7 @@ IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | None  # None when loaded with weights=False
     config: ModelConfig
     tokenizer: Tokenizer
     generation_config: dict
@@ -204,8 +204,12 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     attention_backend: str = "torch",
+    weights: bool = True,
 ) -> LoadedModel:
-    """Load a model directory (or bundled/Hub name); dtype defaults to config's torch_dtype."""
+    """Load a model directory (or bundled/Hub name); dtype defaults to config's torch_dtype.
+
+    weights=False reads the config and the tokenizer only (`model` is None): what an engine
+    whose worker processes hold the weights needs."""
     device = resolve_device(device)
     path = resolve_model_path(model)
     config_file = path / "config.json"
@@ -213,6 +217,39 @@ def load_model(
     config = ModelConfig.from_hf_config(hf_config, source=config_file)
     dtype = resolve_dtype(dtype, config.torch_dtype, device)
     config.torch_dtype = str(dtype).removeprefix("torch.")
+    lm = None
+    if weights:
+        lm = load_weights(path, hf_config, config, dtype, device, attention_backend)
+    tokenizer = Tokenizer(path)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"{tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
+            f"vocab_size={config.vocab_size} of {config_file}: they are not from one model"
+        )
+    generation_config_path = path / "generation_config.json"
+    generation_config = (
+        read_json(generation_config_path) if generation_config_path.is_file() else {}
+    )
+    # a generation stops at any of them: Qwen3 ends chat turns and documents differently
+    eos_token_ids = config.eos_token_ids + generation_eos_ids(
+        generation_config, generation_config_path, config.vocab_size
+    )
+    eos_token_ids = list(dict.fromkeys(eos_token_ids))
+    if not eos_token_ids and tokenizer.eos_token_id is not None:
+        eos_token_ids = [tokenizer.eos_token_id]
+    config.eos_token_ids = eos_token_ids
+    return LoadedModel(lm, config, tokenizer, generation_config, path, list(eos_token_ids))
+
+
+def load_weights(
+    path: pathlib.Path,
+    hf_config: dict,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str,
+) -> LlamaForCausalLM:
+    """The model of a directory, its checkpoint's tensors checked against the config."""
     state = load_safetensors(path)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -240,25 +277,7 @@ def load_model(
         lm.lm_head.weight = lm.model.embed_tokens.weight
     lm.eval()
 
-    tokenizer = Tokenizer(path)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(
-            f"{tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
-            f"vocab_size={config.vocab_size} of {config_file}: they are not from one model"
-        )
-    generation_config_path = path / "generation_config.json"
-    generation_config = (
-        read_json(generation_config_path) if generation_config_path.is_file() else {}
-    )
-    # a generation stops at any of them: Qwen3 ends chat turns and documents differently
-    eos_token_ids = config.eos_token_ids + generation_eos_ids(
-        generation_config, generation_config_path, config.vocab_size
-    )
-    eos_token_ids = list(dict.fromkeys(eos_token_ids))
-    if not eos_token_ids and tokenizer.eos_token_id is not None:
-        eos_token_ids = [tokenizer.eos_token_id]
-    config.eos_token_ids = eos_token_ids
-    return LoadedModel(lm, config, tokenizer, generation_config, path, list(eos_token_ids))
+    return lm
 
 
 def generation_eos_ids(generation_config: dict, source: pathlib.Path, vocab_size: int) -> list[int]:

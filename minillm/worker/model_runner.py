@@ -117,8 +117,10 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.sampler = sampler
-        weight = model.lm_head.weight
+        # any weight: a pipeline stage may hold no LM head
+        weight = next(model.parameters())
         self.device = weight.device
+        self.dtype = weight.dtype
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(
             model.config, num_blocks, block_size, weight.dtype, self.device

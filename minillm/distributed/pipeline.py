@@ -1,0 +1,121 @@
+"""Pipeline parallelism: consecutive layers on consecutive ranks, micro-batches in flight.
+
+Stage s of p holds layers [start_s, end_s) (`stage_layers`); the first also holds the
+embedding, the last the final norm and the LM head. One step's batch is cut into m
+micro-batches of whole requests (`split_micro_batches`). Each stage runs micro-batch i as soon
+as stage s-1 sends its hidden states and sends its own on without waiting for the receiver,
+so while stage 1 works on micro-batch 0, stage 0 already computes micro-batch 1.
+
+With equal micro-batches that each take t per stage, a step takes (m + p - 1) t of which each
+stage is busy m t: the idle share, the pipeline bubble, is (p - 1) / (m + p - 1) (GPipe:
+Huang et al., 2019). `run_stage` measures each stage's busy time so the bubble can be checked
+against that formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+from torch import nn
+
+from minillm.core.scheduler import ScheduledRequest
+from minillm.distributed.parallel_state import Communicator
+from minillm.model.llama import LlamaForCausalLM
+from minillm.worker.model_runner import ModelRunner, prepare_inputs
+
+
+def stage_layers(num_layers: int, stage: int, num_stages: int) -> tuple[int, int]:
+    """[start, end) of the layers of `stage`: equal shares, the first stages one more."""
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return start, start + base + (stage < extra)
+
+
+def make_stage(model: LlamaForCausalLM, stage: int, num_stages: int) -> LlamaForCausalLM:
+    """Trim a loaded model, in place, to what `stage` runs; its config counts its layers."""
+    start, end = stage_layers(model.config.num_hidden_layers, stage, num_stages)
+    model.model.layers = nn.ModuleList(list(model.model.layers)[start:end])
+    if stage > 0:
+        model.model.embed_tokens = None
+    if stage < num_stages - 1:
+        model.model.norm = None
+        model.lm_head = None
+    model.config = dataclasses.replace(model.config, num_hidden_layers=end - start)
+    return model
+
+
+def split_micro_batches(
+    scheduled: list[ScheduledRequest], num_micro_batches: int
+) -> list[list[ScheduledRequest]]:
+    """Cut the batch, in order, into at most num_micro_batches runs of whole requests with
+    about the same number of tokens each (never an empty one)."""
+    total = sum(chunk.num_new_tokens for chunk in scheduled)
+    parts = min(num_micro_batches, len(scheduled))
+    batches: list[list[ScheduledRequest]] = [[]]
+    done = 0
+    for i, chunk in enumerate(scheduled):
+        left_requests, left_batches = len(scheduled) - i, parts - len(batches) + 1
+        # start a new micro-batch once this one holds its share, or when every request left
+        # is needed to fill the micro-batches still to come
+        if batches[-1] and len(batches) < parts:
+            if done >= total * len(batches) / parts or left_requests < left_batches:
+                batches.append([])
+        batches[-1].append(chunk)
+        done += chunk.num_new_tokens
+    return batches
+
+
+@dataclasses.dataclass(slots=True)
+class StageTiming:
+    """One stage's share of one step: time computing, and the step's time on this stage."""
+
+    num_micro_batches: int
+    busy_s: float
+    wall_s: float
+
+
+@torch.inference_mode()
+def run_stage(
+    runner: ModelRunner,
+    comm: Communicator,
+    micro_batches: list[list[ScheduledRequest]],
+) -> tuple[list[torch.Tensor], StageTiming]:
+    """Run this stage over every micro-batch: receive hidden states from the previous stage
+    (or embed the tokens), run the stage's layers, send on (or compute the logits of the
+    sampling rows). Returns the last stage's logits per micro-batch, and the timing."""
+    model, rank, size = runner.model, comm.rank, comm.world_size
+    first, last = rank == 0, rank == size - 1
+    start = time.perf_counter()
+    busy_s = 0.0
+    sends, logits = [], []
+    for batch in micro_batches:
+        inputs = prepare_inputs(batch, runner.block_size, runner.device)
+        if first:
+            x = None
+        else:
+            shape = (len(inputs.input_ids), model.config.hidden_size)
+            x = comm.recv(torch.empty(shape, dtype=runner.dtype, device=runner.device), rank - 1)
+        began = time.perf_counter()
+        x = stage_forward(model, inputs, x, runner.kv_caches)
+        if last:
+            logits.append(model.compute_logits(x[inputs.logits_indices]))
+        else:
+            sends.append((comm.send(x, rank + 1), x))
+        busy_s += time.perf_counter() - began
+    for work, _ in sends:
+        work.wait()
+    timing = StageTiming(len(micro_batches), busy_s, time.perf_counter() - start)
+    return logits, timing
+
+
+def stage_forward(model: LlamaForCausalLM, inputs, x: torch.Tensor | None, kv_caches):
+    """The stage's layers over one micro-batch; the first stage embeds, the last normalizes."""
+    inner = model.model
+    if x is None:
+        x = inner.embed_tokens(inputs.input_ids)
+    rope = inner.make_rope(inputs.positions, x.dtype)
+    for layer, kv_cache in zip(inner.layers, kv_caches, strict=True):
+        x = layer(x, rope, kv_cache, inputs.meta)
+    return x if inner.norm is None else inner.norm(x)

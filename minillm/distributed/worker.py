@@ -1,0 +1,162 @@
+"""One rank of a multi-process engine: its share of the model, its KV cache, its loop.
+
+`worker_main` is what the engine spawns per rank. It joins the process group, loads the
+model and keeps its shard (`tensor_parallel.shard_model`) or its stage
+(`pipeline.make_stage`), says it is ready, then serves commands from the engine's pipe until
+told to stop: "execute_model" with the scheduler's plan of a step (every rank gets the same
+plan; the driver rank answers with the sampled tokens) or the name of a `Worker` method. An
+exception is sent back with its traceback before the process exits, so the engine can report
+it and stop the other ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import dataclasses
+import pickle
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from minillm.core.scheduler import SchedulerOutput
+from minillm.distributed.parallel_state import (
+    CollectiveCounts,
+    Communicator,
+    ParallelConfig,
+    init_process_group,
+)
+from minillm.distributed.pipeline import StageTiming, make_stage, run_stage, split_micro_batches
+from minillm.distributed.tensor_parallel import shard_model
+from minillm.model.loader import load_model
+from minillm.outputs import SampledToken
+from minillm.worker.model_runner import ModelRunner, prepare_inputs
+from minillm.worker.sampler import Sampler
+
+# per-step records kept on each rank (a bounded window, like the engine's statistics)
+STEP_RECORDS = 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What every rank needs to build its part; the same for all ranks."""
+
+    model: str
+    dtype: str | None
+    device_type: str  # "cpu" or "cuda"
+    attention_backend: str
+    parallel: ParallelConfig
+    num_blocks: int
+    block_size: int
+    seed: int
+    num_micro_batches: int  # pipeline parallelism: micro-batches per step (at most)
+    port: int
+
+
+@dataclasses.dataclass(slots=True)
+class StepRecord:
+    """What one rank did in one step: tokens, collectives (calls and bytes), and for a
+    pipeline stage its timing."""
+
+    step: int
+    num_tokens: int
+    num_sampled: int
+    collectives: CollectiveCounts
+    timing: StageTiming | None = None
+
+
+class Worker:
+    """The model shard, KV cache and sampler of one rank."""
+
+    def __init__(self, rank: int, spec: WorkerSpec) -> None:
+        self.rank, self.spec = rank, spec
+        parallel = spec.parallel
+        self.comm = Communicator(rank, parallel.world_size)
+        device = torch.device(f"cuda:{rank}" if spec.device_type == "cuda" else "cpu")
+        loaded = load_model(spec.model, spec.dtype, device, spec.attention_backend)
+        model = loaded.model
+        if parallel.tensor_parallel_size > 1:
+            model = shard_model(model, rank, self.comm)
+            del loaded
+        else:
+            model = make_stage(model, rank, parallel.pipeline_parallel_size)
+        self.is_driver = rank == parallel.driver_rank
+        generator = torch.Generator(device).manual_seed(spec.seed)
+        self.runner = ModelRunner(model, Sampler(generator), spec.num_blocks, spec.block_size)
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=STEP_RECORDS)
+
+    @torch.inference_mode()
+    def execute_model(self, plan: SchedulerOutput) -> dict[str, SampledToken] | None:
+        """The step on this rank; the driver returns the sampled tokens, the others None."""
+        runner = self.runner
+        self.comm.counts = CollectiveCounts()
+        for request_id in plan.finished_req_ids:
+            runner.generators.pop(request_id, None)
+        runner.copy_blocks(plan.block_copies)
+        scheduled = plan.scheduled
+        if not scheduled:
+            return {} if self.is_driver else None
+        rows = [chunk.sampling_seqs for chunk in scheduled if chunk.samples]
+        timing = None
+        if self.spec.parallel.pipeline_parallel_size > 1:
+            micro_batches = split_micro_batches(scheduled, self.spec.num_micro_batches)
+            logits, timing = run_stage(runner, self.comm, micro_batches)
+            logits = torch.cat(logits) if logits else None
+        else:
+            inputs = prepare_inputs(scheduled, runner.block_size, runner.device)
+            hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+            logits = runner.model.compute_logits(hidden[inputs.logits_indices])
+        self.records.append(
+            StepRecord(
+                plan.step,
+                sum(chunk.num_new_tokens for chunk in scheduled),
+                len(rows),
+                self.comm.counts,
+                timing,
+            )
+        )
+        if not self.is_driver:
+            return None
+        return runner.sample(logits, rows) if rows else {}
+
+    def step_records(self) -> list[StepRecord]:
+        return list(self.records)
+
+    def clear_step_records(self) -> None:
+        self.records.clear()
+
+    def kv_cache_heads(self) -> int:
+        """KV heads this rank's cache holds per layer."""
+        return self.runner.kv_caches[0].shape[3]
+
+
+def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
+    """The body of a worker process: build the rank's Worker, then serve commands."""
+    try:
+        init_process_group(rank, spec.parallel.world_size, spec.port, spec.device_type)
+        if spec.device_type == "cuda":
+            torch.cuda.set_device(rank)
+        else:  # the ranks share the machine's cores instead of each taking all of them
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.parallel.world_size))
+        worker = Worker(rank, spec)
+        conn.send(("ready", None))
+        while True:
+            command, args = pickle.loads(conn.recv_bytes())
+            if command == "shutdown":
+                break
+            result = getattr(worker, command)(*args)
+            if command != "execute_model" or worker.is_driver:
+                conn.send(("ok", result))
+    except (EOFError, KeyboardInterrupt):
+        pass  # the engine is gone or stopping us: nothing to report to
+    except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
