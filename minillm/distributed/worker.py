@@ -12,8 +12,8 @@ it and stop the other ranks.
 from __future__ import annotations
 
 import collections
-import os
 import dataclasses
+import os
 import pickle
 import traceback
 from multiprocessing.connection import Connection

@@ -8,8 +8,8 @@ one model shard against an oracle without an engine around it.
 from __future__ import annotations
 
 import json
-import pickle
 import pathlib
+import pickle
 import traceback
 
 import tokenizers
