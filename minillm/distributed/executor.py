@@ -14,7 +14,6 @@ ranks to leave, then terminates those that do not.
 
 from __future__ import annotations
 
-import atexit
 import pickle
 import time
 import weakref
@@ -57,9 +56,8 @@ class MultiprocExecutor:
             child.close()
             self.processes.append(process)
             self.conns.append(parent)
-        # at exit, stop the ranks of an engine that was never shut down
+        # stop the ranks of an engine that is garbage-collected, or alive at interpreter exit
         self._finalizer = weakref.finalize(self, _stop_processes, self.processes, self.conns)
-        atexit.register(self._finalizer)
         try:
             for rank in range(len(self.processes)):
                 self._receive(rank, STARTUP_TIMEOUT_S)
@@ -114,19 +112,27 @@ class MultiprocExecutor:
             self._fail(f"rank {rank} died (exit code {self.processes[rank].exitcode})")
 
     def _fail(self, message: str):
-        self.shutdown()
-        raise WorkerError(f"{message}\nall worker processes have been stopped")
+        states = "; ".join(
+            f"rank {rank} "
+            + ("running" if p.exitcode is None else f"exited with code {p.exitcode}")
+            for rank, p in enumerate(self.processes)
+        )
+        self.shutdown(grace_s=0.0)  # the others wait on the failed rank: no use asking them
+        raise WorkerError(f"{message}\n(then: {states}); all worker processes have been stopped")
 
-    def shutdown(self) -> None:
-        """Ask every rank to leave, terminate those that do not; safe to call twice."""
+    def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Ask every rank to leave, terminate those that have not within grace_s; safe to
+        call twice."""
         if self.is_shut_down:
             return
         self.is_shut_down = True
-        self._finalizer()
-        atexit.unregister(self._finalizer)
+        self._finalizer.detach()
+        _stop_processes(self.processes, self.conns, grace_s)
 
 
-def _stop_processes(processes: list, conns: list[Connection]) -> None:
+def _stop_processes(
+    processes: list, conns: list[Connection], grace_s: float = SHUTDOWN_GRACE_S
+) -> None:
     payload = pickle.dumps(("shutdown", ()))
     for conn, process in zip(conns, processes, strict=True):
         if process.is_alive():
@@ -134,7 +140,7 @@ def _stop_processes(processes: list, conns: list[Connection]) -> None:
                 conn.send_bytes(payload)
             except OSError:
                 pass
-    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+    deadline = time.monotonic() + grace_s
     for process in processes:
         process.join(timeout=max(0.0, deadline - time.monotonic()))
     for process in processes:

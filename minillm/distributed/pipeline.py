@@ -69,11 +69,26 @@ def split_micro_batches(
 
 @dataclasses.dataclass(slots=True)
 class StageTiming:
-    """One stage's share of one step: time computing, and the step's time on this stage."""
+    """One stage's share of one step: time computing, and when the stage began and ended the
+    step (time.monotonic, one clock for every process of the machine)."""
 
     num_micro_batches: int
     busy_s: float
-    wall_s: float
+    start_s: float
+    end_s: float
+
+
+def bubble_fraction(num_stages: int, num_micro_batches: int) -> float:
+    """The idle share of a pipelined step with equal micro-batches: (p - 1) / (m + p - 1)."""
+    return (num_stages - 1) / (num_micro_batches + num_stages - 1)
+
+
+def measured_bubble(step_timings: list[StageTiming]) -> float:
+    """The idle share of one step as measured: 1 - (time all stages computed) / (stages x
+    the step's span from the first stage's start to the last one's end)."""
+    span_s = max(t.end_s for t in step_timings) - min(t.start_s for t in step_timings)
+    busy_s = sum(t.busy_s for t in step_timings)
+    return 1.0 - busy_s / (len(step_timings) * span_s)
 
 
 @torch.inference_mode()
@@ -87,7 +102,7 @@ def run_stage(
     sampling rows). Returns the last stage's logits per micro-batch, and the timing."""
     model, rank, size = runner.model, comm.rank, comm.world_size
     first, last = rank == 0, rank == size - 1
-    start = time.perf_counter()
+    start = time.monotonic()
     busy_s = 0.0
     sends, logits = [], []
     for batch in micro_batches:
@@ -97,16 +112,16 @@ def run_stage(
         else:
             shape = (len(inputs.input_ids), model.config.hidden_size)
             x = comm.recv(torch.empty(shape, dtype=runner.dtype, device=runner.device), rank - 1)
-        began = time.perf_counter()
+        began = time.monotonic()
         x = stage_forward(model, inputs, x, runner.kv_caches)
         if last:
             logits.append(model.compute_logits(x[inputs.logits_indices]))
         else:
             sends.append((comm.send(x, rank + 1), x))
-        busy_s += time.perf_counter() - began
+        busy_s += time.monotonic() - began
     for work, _ in sends:
         work.wait()
-    timing = StageTiming(len(micro_batches), busy_s, time.perf_counter() - start)
+    timing = StageTiming(len(micro_batches), busy_s, start, time.monotonic())
     return logits, timing
 
 

@@ -7,19 +7,13 @@ import random
 
 import pytest
 import torch
+from conftest import GREEDY, PROMPTS
 from dist_testing import build_hf_model, run_on_ranks, save_checkpoint, sharded_causal_logits
 
 from minillm import LLM, SamplingParams
 from minillm.distributed.parallel_layers import vocab_range
 from minillm.distributed.tensor_parallel import kv_head_range
 from minillm.model.loader import load_model
-
-PROMPTS = [
-    "Once upon a time",
-    "def main(args):",
-    "The quick brown fox jumps over the lazy dog and then",
-    "import os",
-]
 
 
 def random_configs(count: int, seed: int) -> list[tuple[str, dict]]:
@@ -93,16 +87,8 @@ def tp_engine():
     llm.shutdown()
 
 
-@pytest.fixture(scope="module")
-def reference_outputs():
-    llm = LLM(dtype="float32", max_num_batched_tokens=32)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-
-
 def test_greedy_output_matches_one_process_on_the_bundled_model(tp_engine, reference_outputs):
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outputs = tp_engine.generate(PROMPTS, params, use_tqdm=False)
+    outputs = tp_engine.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference_outputs
 
 
