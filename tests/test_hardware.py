@@ -5,7 +5,8 @@ import pytest
 from minillm.lab import hardware
 from minillm.lab.hardware import DEVICES, compute_format, get_device
 
-# (device, dense bf16-or-fp16 TFLOP/s, bandwidth TB/s, memory GB) as printed by the vendors.
+# (device, dense bf16-or-fp16 TFLOP/s, bandwidth TB/s, memory "GB") as printed by the vendors;
+# the memory label is binary: an "80 GB" board holds 80 GiB.
 DATASHEET = [
     ("H100 SXM", "bfloat16", 989.4, 3.35, 80),
     ("H200 SXM", "bfloat16", 989.4, 4.8, 141),
@@ -24,7 +25,7 @@ def test_datasheet_values(name, dtype, tflops, tb_per_s, gb):
     spec = get_device(name)
     assert spec.peak_flops(dtype) == pytest.approx(tflops * 1e12, rel=1e-12)
     assert spec.memory_bandwidth_bytes_per_s == pytest.approx(tb_per_s * 1e12, rel=1e-12)
-    assert spec.memory_bytes == pytest.approx(gb * 1e9, rel=1e-12)
+    assert spec.memory_bytes == gb * 2**30
     assert not spec.measured
     assert spec.source.strip() and len(spec.source_date) == 7
 
@@ -140,3 +141,21 @@ def test_lookup_is_case_insensitive_and_names_the_choices():
     assert get_device("h100 sxm") is DEVICES["H100 SXM"]
     with pytest.raises(ValueError, match=r"unknown device 'B300'.*H100 SXM"):
         get_device("B300")
+
+
+@pytest.mark.parametrize(
+    "name, reported_gib",
+    # torch.cuda.get_device_properties(0).total_memory as the driver reports it
+    [("H100 SXM", 79.18), ("A100 SXM 80GB", 79.15), ("T4", 14.75)],
+)
+def test_runtime_memory_is_what_cuda_reports(name, reported_gib):
+    spec = get_device(name)
+    assert spec.runtime_memory_bytes() == pytest.approx(reported_gib * 2**30, rel=1e-12)
+    # the driver keeps a few percent of the board's memory, never more than 10%
+    assert 0.9 * spec.memory_bytes < spec.runtime_memory_bytes() < spec.memory_bytes
+
+
+def test_runtime_memory_without_a_recorded_figure_is_the_boards():
+    spec = get_device("H200 SXM")
+    assert spec.cuda_memory_bytes is None
+    assert spec.runtime_memory_bytes() == 141 * 2**30

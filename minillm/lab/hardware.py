@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from minillm.lab.units import GB, TB
+from minillm.lab.units import GB, TB, GiB
 
 if TYPE_CHECKING:
     import torch
@@ -80,21 +80,32 @@ class DeviceSpec:
     """One accelerator as its datasheet (or a measurement) describes it.
 
     Rates are per second: FLOP/s for compute (operations/s for int8), bytes/s for memory.
-    `memory_bytes` is the capacity printed on the datasheet read as decimal GB (10**9
-    bytes), as vendors print it.
+
+    Capacity: memory chips come in powers of two, so the "80 GB" on a datasheet is 80 GiB
+    (2**30 bytes each) of memory on the board; `memory_bytes` holds that. The driver keeps a
+    little of it for itself, and CUDA reports the rest as the device's total
+    (`torch.cuda.get_device_properties(i).total_memory`, what vLLM's
+    `gpu_memory_utilization` multiplies): `cuda_memory_bytes` holds that figure where it
+    was recorded, and `runtime_memory_bytes()` gives the best figure for budgets.
     """
 
     name: str
     peak_flops_per_s: Mapping[str, float]  # dense peak per compute format
     sparse_flops_per_s: Mapping[str, float]  # 2:4 structured sparsity: 2x dense, not for LLMs
     memory_bandwidth_bytes_per_s: float
-    memory_bytes: float
+    memory_bytes: float  # on the board: the datasheet's "GB" label read as GiB
     memory_type: str  # "HBM3", "GDDR6", "DDR" ...
     num_compute_units: int
     compute_unit: str  # "SM" (NVIDIA), "CU" (AMD), "TensorCore" (TPU), "core" (CPU)
     source: str  # the document every figure of this row comes from
     source_date: str  # its date, YYYY-MM
     measured: bool = False  # True for "this machine": figures are achieved, not promised
+    cuda_memory_bytes: float | None = None  # the total CUDA reports, where it was recorded
+
+    def runtime_memory_bytes(self) -> float:
+        """The capacity software can budget: what CUDA reports where recorded, else the
+        board's capacity (the driver's reserve is about 1% of it)."""
+        return self.memory_bytes if self.cuda_memory_bytes is None else self.cuda_memory_bytes
 
     def peak_flops(self, dtype: str | torch.dtype) -> float:
         """Dense peak FLOP/s for computing in `dtype`; never the sparse figure."""
@@ -141,7 +152,10 @@ DEVICES: types.MappingProxyType[str, DeviceSpec] = types.MappingProxyType(
                 peak_flops_per_s=_HOPPER_DENSE,
                 sparse_flops_per_s=_HOPPER_SPARSE,
                 memory_bandwidth_bytes_per_s=3.35 * TB,
-                memory_bytes=80 * GB,
+                memory_bytes=80 * GiB,
+                # what CUDA reports for an H100 80GB HBM3 (vLLM logs it as the total that
+                # gpu_memory_utilization multiplies)
+                cuda_memory_bytes=79.18 * GiB,
                 memory_type="HBM3",
                 num_compute_units=132,
                 compute_unit="SM",
@@ -153,7 +167,7 @@ DEVICES: types.MappingProxyType[str, DeviceSpec] = types.MappingProxyType(
                 peak_flops_per_s=_HOPPER_DENSE,
                 sparse_flops_per_s=_HOPPER_SPARSE,
                 memory_bandwidth_bytes_per_s=4.8 * TB,
-                memory_bytes=141 * GB,
+                memory_bytes=141 * GiB,
                 memory_type="HBM3e",
                 num_compute_units=132,
                 compute_unit="SM",
@@ -168,7 +182,8 @@ DEVICES: types.MappingProxyType[str, DeviceSpec] = types.MappingProxyType(
                 ),
                 sparse_flops_per_s=_rates(tf32=312, bfloat16=624, float16=624, int8=1248),
                 memory_bandwidth_bytes_per_s=2.039 * TB,
-                memory_bytes=80 * GB,
+                memory_bytes=80 * GiB,
+                cuda_memory_bytes=79.15 * GiB,  # as CUDA reports an A100-SXM4-80GB
                 memory_type="HBM2e",
                 num_compute_units=108,
                 compute_unit="SM",
@@ -184,7 +199,7 @@ DEVICES: types.MappingProxyType[str, DeviceSpec] = types.MappingProxyType(
                 ),
                 sparse_flops_per_s=_rates(tf32=366, bfloat16=733, float16=733, fp8=1466, int8=1466),
                 memory_bandwidth_bytes_per_s=864 * GB,
-                memory_bytes=48 * GB,
+                memory_bytes=48 * GiB,
                 memory_type="GDDR6",
                 num_compute_units=142,
                 compute_unit="SM",
@@ -200,7 +215,7 @@ DEVICES: types.MappingProxyType[str, DeviceSpec] = types.MappingProxyType(
                 ),
                 sparse_flops_per_s=_rates(tf32=120, bfloat16=242, float16=242, fp8=485, int8=485),
                 memory_bandwidth_bytes_per_s=300 * GB,
-                memory_bytes=24 * GB,
+                memory_bytes=24 * GiB,
                 memory_type="GDDR6",
                 num_compute_units=58,
                 compute_unit="SM",
@@ -215,7 +230,8 @@ DEVICES: types.MappingProxyType[str, DeviceSpec] = types.MappingProxyType(
                 peak_flops_per_s=_rates(float32=8.1, float16=65, int8=130),
                 sparse_flops_per_s=_rates(),
                 memory_bandwidth_bytes_per_s=320 * GB,
-                memory_bytes=16 * GB,
+                memory_bytes=16 * GiB,
+                cuda_memory_bytes=14.75 * GiB,  # as CUDA reports a T4 (Colab's GPU)
                 memory_type="GDDR6",
                 num_compute_units=40,
                 compute_unit="SM",
@@ -235,7 +251,7 @@ DEVICES: types.MappingProxyType[str, DeviceSpec] = types.MappingProxyType(
                     tf32=165.2, bfloat16=330.4, float16=330.4, fp8=660.6, int8=1321.2
                 ),
                 memory_bandwidth_bytes_per_s=1008 * GB,
-                memory_bytes=24 * GB,
+                memory_bytes=24 * GiB,
                 memory_type="GDDR6X",
                 num_compute_units=128,
                 compute_unit="SM",
@@ -258,7 +274,7 @@ DEVICES: types.MappingProxyType[str, DeviceSpec] = types.MappingProxyType(
                     tf32=1307.4, bfloat16=2614.9, float16=2614.9, fp8=5229.8, int8=5229.8
                 ),
                 memory_bandwidth_bytes_per_s=5.3 * TB,
-                memory_bytes=192 * GB,
+                memory_bytes=192 * GiB,
                 memory_type="HBM3",
                 num_compute_units=304,
                 compute_unit="CU",
@@ -272,7 +288,7 @@ DEVICES: types.MappingProxyType[str, DeviceSpec] = types.MappingProxyType(
                 peak_flops_per_s=_rates(bfloat16=197, int8=393),
                 sparse_flops_per_s=_rates(),
                 memory_bandwidth_bytes_per_s=819 * GB,
-                memory_bytes=16 * GB,
+                memory_bytes=16 * GiB,
                 memory_type="HBM2",
                 num_compute_units=1,
                 compute_unit="TensorCore",

@@ -23,10 +23,10 @@ from .exercise_checks import (
 )
 
 
-def greedy_loop(model, prompt_ids, max_tokens, position=-1, keep_prompt=False):
+def greedy_loop(model, prompt_ids, max_tokens, position=-1, keep_prompt=False, inference_mode=True):
     """A no-cache greedy loop with a knob for each mistake."""
     token_ids = list(prompt_ids)
-    with torch.inference_mode():
+    with torch.inference_mode(inference_mode):
         for _ in range(max_tokens):
             logits = model.forward_causal(torch.tensor([token_ids]))
             token_ids.append(int(logits[0, position].argmax()))
@@ -80,8 +80,9 @@ def all_at_the_end(tokenizer, ids):
     return [""] * (len(ids) - 1) + [tokenizer.decode(ids)] if ids else []
 
 
-def finish_with(order, cut=True, count_stop_token=True):
-    """A finish() with the checks in `order` ("eos", "stop", "length"), and two more knobs."""
+def finish_with(order, cut=True, count_stop_token=True, earliest=False):
+    """A finish() with the checks in `order` ("eos", "stop", "length"), and three more knobs:
+    `earliest` takes the stop string that starts first in the text, not the first listed."""
 
     def finish(tokenizer, token_ids, eos_token_id, stop, max_tokens):
         for num_tokens in range(1, len(token_ids) + 1):
@@ -91,6 +92,8 @@ def finish_with(order, cut=True, count_stop_token=True):
                 if check == "eos" and token_ids[num_tokens - 1] == eos_token_id:
                     return "stop", counted, text
                 if check == "stop":
+                    if earliest:
+                        stop = sorted(stop, key=lambda s: (text.find(s) == -1, text.find(s)))
                     for stop_str in stop:
                         index = text.find(stop_str)
                         if index != -1:
@@ -130,6 +133,38 @@ def swapped_timing(ns):
     return lambda token_ids, use_cache: solution(token_ids, not use_cache)
 
 
+def made_up_after_running(ns):
+    """Runs the work, then returns a made-up time that grows the right way."""
+    solution = ns["time_next_token"]
+
+    def timing(token_ids, use_cache):
+        solution(token_ids, use_cache)
+        return 1e-3 if use_cache else 1e-4 * len(token_ids)
+
+    return timing
+
+
+def prefill_timed(ns):
+    """With the cache, times the prefill step and the decode step together."""
+    llm, params_type, time = ns["llm"], ns["SamplingParams"], ns["time"]
+    solution = ns["time_next_token"]
+
+    def timing(token_ids, use_cache):
+        if not use_cache:
+            return solution(token_ids, use_cache)
+        best = float("inf")
+        for _ in range(3):
+            params = params_type(temperature=0.0, max_tokens=2, ignore_eos=True)
+            start = time.perf_counter()
+            llm.engine.add_request("next-token", token_ids, params)
+            llm.engine.step()
+            llm.engine.step()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    return timing
+
+
 WRONG_ANSWERS = {
     "count_work": {
         "N decode tokens": lambda p, n, b: (p, n, n),
@@ -167,6 +202,7 @@ WRONG_ANSWERS = {
         "first position": lambda m, ids, n: greedy_loop(m, ids, n, position=0),
         "one token too many": lambda m, ids, n: greedy_loop(m, ids, n + 1),
         "the engine (with its cache)": FromNamespace(engine_generate),
+        "autograd left on": lambda m, ids, n: greedy_loop(m, ids, n, inference_mode=False),
     },
     "tokens_computed": {
         "N * P without cache": lambda p, n, c: p + n - 1 if c else n * p,
@@ -177,6 +213,8 @@ WRONG_ANSWERS = {
         "a constant": lambda ids, c: 1.0,
         "proportional to the length": lambda ids, c: 1e-3 * len(ids),
         "the two swapped": FromNamespace(swapped_timing),
+        "made up after running the work": FromNamespace(made_up_after_running),
+        "prefill timed too": FromNamespace(prefill_timed),
     },
     "finish_steps": {
         "static batching": static_batches,
@@ -195,6 +233,7 @@ WRONG_ANSWERS = {
         "stop string left in the text": finish_with(("eos", "stop", "length"), cut=False),
         "EOS ignored": finish_with(("stop", "length")),
         "stop token not counted": finish_with(("eos", "stop", "length"), count_stop_token=False),
+        "earliest stop string in the text": finish_with(("eos", "stop", "length"), earliest=True),
     },
 }
 

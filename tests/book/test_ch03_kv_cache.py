@@ -84,6 +84,29 @@ class AcceptsDoubleFree(Leaks):
         self.free_ids.extend(block_ids)
 
 
+class NoDuplicateCheck(Leaks):
+    """Checks each id but not that an id is named only once."""
+
+    def free(self, block_ids):
+        if not self.used.issuperset(block_ids):
+            raise ValueError("not allocated")
+        self.used.difference_update(block_ids)
+        self.free_ids.extend(block_ids)
+
+
+class FreesThenRaises(Leaks):
+    """Frees the valid ids one by one and raises at the first bad one: a partial free."""
+
+    def free(self, block_ids):
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError("duplicate")
+        for block in block_ids:
+            if block not in self.used:
+                raise ValueError("not allocated")
+            self.used.remove(block)
+            self.free_ids.append(block)
+
+
 # -- other wrong answers ------------------------------------------------------------------
 
 
@@ -122,8 +145,9 @@ def fork_without_refs(table, ref_cnt):
     return list(table)
 
 
-def write(copy_when: str, drop_ref: bool = True):
-    """prepare_write that copies never, always, or when shared; optionally keeping the ref."""
+def write(copy_when: str, drop_ref: bool = True, returns: str = "shared, new"):
+    """prepare_write that copies never, always, or when shared; optionally keeping the ref;
+    returning the copy as (shared, new), the wrong way round, or (0, 0)."""
 
     def prepare_write(table, pos, ref_cnt, free_list, block_size):
         if pos % block_size == 0:
@@ -141,7 +165,7 @@ def write(copy_when: str, drop_ref: bool = True):
         if drop_ref:
             ref_cnt[shared] -= 1
         table[index] = new
-        return shared, new
+        return {"shared, new": (shared, new), "new, shared": (new, shared), "0, 0": (0, 0)}[returns]
 
     return prepare_write
 
@@ -169,10 +193,12 @@ def free_list(order: str):
     return free_list_order
 
 
-def fp8_with(scale_of):
-    def fp8_quantize(x):
-        scale = scale_of(x.abs().max().item())
-        return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+def fp8_with(scale_of, use_given=True):
+    def fp8_quantize(x, scale=None):
+        if scale is None or not use_given:
+            scale = scale_of(x.abs().max().item())
+        scaled = x.float() / scale
+        return scaled.clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
     return fp8_quantize
 
@@ -241,6 +267,8 @@ WRONG_ANSWERS = {
         "leaks": Leaks,
         "overcommits": Overcommits,
         "accepts a double free": AcceptsDoubleFree,
+        "accepts a block named twice in one free": NoDuplicateCheck,
+        "frees the valid ids before raising": FreesThenRaises,
     },
     "block_hashes": {
         "unchained": unchained_hashes,
@@ -255,6 +283,8 @@ WRONG_ANSWERS = {
         "never copies": write("never"),
         "always copies": write("always"),
         "keeps the shared reference": write("shared", drop_ref=False),
+        "copy the wrong way round": write("shared", returns="new, shared"),
+        "a made-up copy": write("shared", returns="0, 0"),
     },
     "free_list_order": {
         "newest first": free_list("lifo"),
@@ -272,6 +302,7 @@ WRONG_ANSWERS = {
         "int8 range": fp8_with(lambda amax: amax / 127 if amax else 1.0),
         "e4m3fnuz range": fp8_with(lambda amax: amax / 240 if amax else 1.0),
         "scale 1": fp8_with(lambda amax: 1.0),
+        "given scale ignored": fp8_with(lambda amax: amax / 448 if amax else 1.0, use_given=False),
     },
     "measure_preemption": {
         "all tokens run": preemption("all tokens"),
