@@ -14,12 +14,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    # mixture-of-experts decoders (minillm.model.moe)
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -119,6 +131,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    # mixture of experts (0 experts: a dense model); see minillm.model.moe
+    num_experts: int = 0  # routed experts per MoE layer
+    num_experts_per_tok: int = 0  # top-k: experts each token is sent to
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    norm_topk_prob: bool = True  # renormalize the top-k router probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
+    mlp_only_layers: list[int] = field(default_factory=list)  # layers with a dense MLP
+    decoder_sparse_step: int = 1  # every n-th layer is an MoE layer
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -152,6 +172,7 @@ class ModelConfig:
                 f"torch_dtype must be one of {sorted(DTYPES)}, got {self.torch_dtype!r}"
             )
         self._check_rope_scaling()
+        self._check_moe()
         # token ids index the embedding and the logits: an id >= vocab_size fails there
         if self.bos_token_id is not None and not (
             is_int(self.bos_token_id) and 0 <= self.bos_token_id < self.vocab_size
@@ -189,6 +210,48 @@ class ModelConfig:
                 "rope_scaling's high_freq_factor must be > its low_freq_factor, got "
                 f"{scaling['high_freq_factor']!r} and {scaling['low_freq_factor']!r}"
             )
+
+    def _check_moe(self) -> None:
+        """Expert counts and widths: all set for an MoE architecture, all zero otherwise."""
+        moe = self.architecture in MOE_ARCHITECTURES
+        if not moe:
+            if self.num_experts or self.num_experts_per_tok or self.moe_intermediate_size:
+                raise ValueError(f"{self.architecture} has no experts; num_experts must be 0")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not (is_int(value) and 1 <= value <= MAX_SIZE):
+                raise ValueError(f"{name} must be an int in [1, 2**31 - 1], got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
+                f"({self.num_experts})"
+            )
+        value = self.shared_expert_intermediate_size
+        if not (is_int(value) and 0 <= value <= MAX_SIZE):
+            raise ValueError(f"shared_expert_intermediate_size must be an int >= 0, got {value!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+        if not (is_int(self.decoder_sparse_step) and self.decoder_sparse_step >= 1):
+            raise ValueError(
+                f"decoder_sparse_step must be an int >= 1, got {self.decoder_sparse_step!r}"
+            )
+        layers = self.mlp_only_layers
+        if not isinstance(layers, list) or not all(is_int(i) and i >= 0 for i in layers):
+            raise ValueError(f"mlp_only_layers must be a list of layer indices, got {layers!r}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.architecture in MOE_ARCHITECTURES
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` routes to experts (else it has a dense MLP), as
+        transformers' Qwen2-/Qwen3-MoE decide it."""
+        return (
+            self.is_moe
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -260,6 +323,14 @@ class ModelConfig:
                     raise ValueError(f"{name} must be an int in [1, 2**31 - 1], got {value!r}")
             head_dim = hidden_size // num_heads
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        moe = {}
+        if architecture in MOE_ARCHITECTURES:
+            moe = _moe_fields(architecture, cfg)
+        if architecture == "Qwen2MoeForCausalLM":
+            attention_bias = cfg.get("qkv_bias", True)
+        else:
+            # Qwen2's config has no attention_bias key: its q/k/v projections always have one.
+            attention_bias = cfg.get("attention_bias", architecture == "Qwen2ForCausalLM")
         return cls(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
@@ -274,18 +345,21 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            # Qwen2's config has no attention_bias key: its q/k/v projections always have one.
-            attention_bias=cfg.get("attention_bias", architecture == "Qwen2ForCausalLM"),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            attention_bias=attention_bias,
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=as_id_list(cfg.get("eos_token_id")),
             torch_dtype=dtype,
+            **moe,
         )
 
     def to_hf_config(self) -> dict:
         """The `config.json` dict that `transformers` (4.45+ and 5.x) loads as this model."""
-        if self.qk_norm != (self.architecture == "Qwen3ForCausalLM"):
-            raise ValueError("qk_norm is only expressible in config.json as Qwen3ForCausalLM")
+        if self.qk_norm != (self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")):
+            raise ValueError(
+                "qk_norm is only expressible in config.json as Qwen3ForCausalLM or "
+                "Qwen3MoeForCausalLM"
+            )
         if self.architecture == "Qwen2ForCausalLM" and not self.attention_bias:
             raise ValueError("Qwen2ForCausalLM always has a q/k/v bias; set attention_bias=True")
         eos: int | list[int] | None = self.eos_token_ids or None
@@ -311,9 +385,72 @@ class ModelConfig:
             "eos_token_id": eos,
             "torch_dtype": self.torch_dtype,
         }
-        if self.architecture != "Qwen2ForCausalLM":
+        if self.architecture == "Qwen2MoeForCausalLM":
+            cfg["qkv_bias"] = self.attention_bias
+        elif self.architecture != "Qwen2ForCausalLM":
             cfg["attention_bias"] = self.attention_bias
+        if self.is_moe:
+            cfg.update(_moe_hf_fields(self))
         return cfg
+
+
+def _moe_fields(architecture: str, cfg: dict) -> dict:
+    """The expert fields of an MoE config.json: Mixtral names its expert count
+    num_local_experts and always renormalizes the top-k; Qwen-MoE names it num_experts and
+    gives each expert moe_intermediate_size."""
+    if architecture == "MixtralForCausalLM":
+        for key in ("num_local_experts", "num_experts_per_tok"):
+            if key not in cfg:
+                raise ValueError(f"required keys are missing: [{key!r}]")
+        return {
+            "num_experts": cfg["num_local_experts"],
+            "num_experts_per_tok": cfg["num_experts_per_tok"],
+            "moe_intermediate_size": cfg["intermediate_size"],
+            "norm_topk_prob": True,
+        }
+    missing = [
+        key for key in ("num_experts_per_tok", "moe_intermediate_size") if key not in cfg
+    ]
+    if "num_experts" not in cfg and "num_local_experts" not in cfg:
+        missing.insert(0, "num_experts")
+    if missing:
+        raise ValueError(f"required keys are missing: {missing}")
+    fields = {
+        "num_experts": cfg.get("num_experts", cfg.get("num_local_experts")),
+        "num_experts_per_tok": cfg["num_experts_per_tok"],
+        "moe_intermediate_size": cfg["moe_intermediate_size"],
+        "norm_topk_prob": cfg.get("norm_topk_prob", False),
+        "mlp_only_layers": cfg.get("mlp_only_layers") or [],
+        "decoder_sparse_step": cfg.get("decoder_sparse_step", 1),
+    }
+    if architecture == "Qwen2MoeForCausalLM":
+        fields["shared_expert_intermediate_size"] = cfg.get("shared_expert_intermediate_size", 0)
+    return fields
+
+
+def _moe_hf_fields(config: ModelConfig) -> dict:
+    """The inverse of _moe_fields."""
+    if config.architecture == "MixtralForCausalLM":
+        if config.moe_intermediate_size != config.intermediate_size or not config.norm_topk_prob:
+            raise ValueError(
+                "MixtralForCausalLM's experts are intermediate_size wide and renormalize the "
+                "top-k probabilities"
+            )
+        return {
+            "num_local_experts": config.num_experts,
+            "num_experts_per_tok": config.num_experts_per_tok,
+        }
+    fields = {
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_intermediate_size": config.moe_intermediate_size,
+        "norm_topk_prob": config.norm_topk_prob,
+        "mlp_only_layers": list(config.mlp_only_layers),
+        "decoder_sparse_step": config.decoder_sparse_step,
+    }
+    if config.architecture == "Qwen2MoeForCausalLM":
+        fields["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    return fields
 
 
 def _is_positive_number(value: object) -> bool:

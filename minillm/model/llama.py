@@ -26,6 +26,7 @@ from torch import nn
 import kernels  # noqa: F401
 from minillm.model.attention import AttentionMetadata, get_attention_backend
 from minillm.model.config import ModelConfig
+from minillm.model.moe import SparseMoeBlock, attach_recorder
 from minillm.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
 
 # backends whose model runs the RMSNorm and RoPE Triton kernels of `kernels/`
@@ -80,7 +81,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         # Qwen2 biases q, k and v only; Llama and Qwen3 use attention_bias for o_proj too.
-        o_bias = bias and config.architecture != "Qwen2ForCausalLM"
+        o_bias = bias and config.architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_kernels)
@@ -139,9 +140,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP of a
+    mixture-of-experts layer is a `SparseMoeBlock`."""
 
-    def __init__(self, config: ModelConfig, backend_name: str) -> None:
+    def __init__(self, config: ModelConfig, backend_name: str, layer_idx: int = 0) -> None:
         super().__init__()
         use_kernels = backend_name in KERNEL_BACKENDS
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, use_kernels)
@@ -149,7 +151,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, use_kernels
         )
-        self.mlp = LlamaMLP(config)
+        moe = config.is_moe_layer(layer_idx)
+        self.mlp = SparseMoeBlock(config, layer_idx) if moe else LlamaMLP(config)
 
     def forward(
         self,
@@ -171,8 +174,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend_name) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend_name, i) for i in range(config.num_hidden_layers)
         )
+        self.routing = attach_recorder(self)  # expert load and routing replay; None if dense
         self.use_kernels = backend_name in KERNEL_BACKENDS
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.use_kernels)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)

@@ -21,6 +21,7 @@ import torch
 
 from minillm.model.config import ModelConfig, as_id_list, read_json, torch_dtype
 from minillm.model.llama import LlamaForCausalLM
+from minillm.model.moe import rename_checkpoint_tensors
 from minillm.model.tokenizer import Tokenizer
 
 BUNDLED_MODELS_DIR = pathlib.Path(__file__).parent.parent / "bundled"
@@ -250,7 +251,7 @@ def load_weights(
     attention_backend: str,
 ) -> LlamaForCausalLM:
     """The model of a directory, its checkpoint's tensors checked against the config."""
-    state = load_safetensors(path)
+    state = rename_checkpoint_tensors(load_safetensors(path), config.architecture)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     state = {
@@ -326,6 +327,7 @@ def save_pretrained(
         raise ValueError(f"expected one parameter dtype to record in config.json, got {dtypes}")
     hf_config = config.to_hf_config()
     hf_config["torch_dtype"] = str(dtypes.pop()).removeprefix("torch.")
+    state = rename_checkpoint_tensors(state, config.architecture, saving=True)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     safetensors.torch.save_file(state, out / SAFETENSORS_FILE, metadata={"format": "pt"})
 
