@@ -29,6 +29,9 @@ LAYERS = {
     + ("minillm.outputs", "minillm.sampling_params"),
     "minillm.engine": ("minillm.core", "minillm.worker", "minillm.model", "minillm.outputs")
     + ("minillm.sampling_params", "minillm.distributed"),
+    # the HTTP server: the engine and what it hands back, never the book's instruments
+    "minillm.serve": ("minillm.engine", "minillm.core", "minillm.model", "minillm.outputs")
+    + ("minillm.sampling_params", "minillm.llm"),
     "kernels": (),
 }
 

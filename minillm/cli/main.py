@@ -18,6 +18,7 @@ import sys
 # subcommand -> (module with add_parser, one-line help shown by `minillm --help`)
 SUBCOMMANDS = {
     "generate": ("minillm.cli.generate", "complete prompts with a model"),
+    "serve": ("minillm.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "bench": ("minillm.lab.bench", "benchmarks (speed is measured, never asserted)"),
     "eval": ("minillm.cli.eval", "measure a model: perplexity, weight bytes"),
     "exercises": (

@@ -1,0 +1,89 @@
+"""The `minillm serve` command: an OpenAI-compatible server for one model.
+
+    minillm serve                                   # the bundled model on 127.0.0.1:8000
+    minillm serve path/to/hf-dir --port 8080 --max-num-seqs 16 --api-key secret
+
+Engine options keep vLLM's flag names. The server binds to the loopback address unless
+--host says otherwise (0.0.0.0 exposes it to the network: set --api-key then).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# EngineArgs fields the command line passes through: (flag, type, help)
+ENGINE_OPTIONS = (
+    ("dtype", str, "float32, bfloat16 or float16 (default: the checkpoint's)"),
+    ("device", str, "cpu or cuda (default: cuda if available)"),
+    ("block-size", int, "tokens per KV-cache block"),
+    ("max-num-seqs", int, "most requests in one batch"),
+    ("max-num-batched-tokens", int, "token budget of one step"),
+    ("max-model-len", int, "longest prompt + output, in tokens"),
+    ("num-gpu-blocks", int, "KV-cache pool size in blocks"),
+    ("kv-cache-memory-bytes", int, "KV-cache pool size in bytes"),
+    ("gpu-memory-utilization", float, "share of GPU memory the engine may fill"),
+    ("attention-backend", str, "torch or triton"),
+    ("scheduling-policy", str, "fcfs, priority or sjf"),
+    ("prefix-caching-algo", str, "hash or radix"),
+    ("seed", int, "seed of the shared sampling generator"),
+)
+ENGINE_FLAGS = (
+    ("enable-prefix-caching", "reuse the KV of shared prompt prefixes"),
+    ("enable-chunked-prefill", "split long prompts over several steps"),
+)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument(
+        "model", nargs="?", default=None, help="model directory or name (default: bundled)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--served-model-name", default=None, help="the name clients use as model")
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="requests that may wait to be scheduled; past it, 503 with Retry-After",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    engine = p.add_argument_group("engine options (as in vLLM)")
+    for flag, kind, help_text in ENGINE_OPTIONS:
+        engine.add_argument(f"--{flag}", type=kind, default=None, help=help_text)
+    for flag, help_text in ENGINE_FLAGS:
+        engine.add_argument(
+            f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text
+        )
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.set_defaults(func=_run)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The EngineArgs fields given on the command line (the others keep their defaults)."""
+    names = [flag for flag, _, _ in ENGINE_OPTIONS] + [flag for flag, _ in ENGINE_FLAGS]
+    options = {
+        name.replace("-", "_"): getattr(args, name.replace("-", "_"))
+        for name in names
+        if getattr(args, name.replace("-", "_")) is not None
+    }
+    if args.enforce_eager:
+        options["enforce_eager"] = True
+    return options
+
+
+def _run(args: argparse.Namespace) -> int:
+    from minillm.serve.server import serve_forever
+
+    serve_forever(
+        args.model,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_waiting_requests=args.max_waiting_requests,
+        **engine_options(args),
+    )
+    return 0

@@ -1,0 +1,534 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`.
+
+    POST /v1/completions        text completion (prompt: text, token ids, or a batch of them)
+    POST /v1/chat/completions   chat (the model's chat template turns messages into a prompt)
+    GET  /v1/models             the served model
+    GET  /health                200 while the engine loop runs, else 503
+    GET  /metrics               Prometheus text format (see minillm.serve.metrics)
+
+Both completion routes stream by server-sent events when `"stream": true`: one
+`data: {json}` event per step that adds text, the finish reason in the last chunk of each
+choice, with `stream_options.include_usage` a final chunk with `usage` and no choices, and
+`data: [DONE]`. A client that disconnects, streaming or not, has its requests aborted, so
+that their KV blocks and batch seats are freed at once.
+
+Errors are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400 for a body
+that is not JSON, a field of the wrong type or unknown, a value out of range, or a prompt too
+long for max_model_len; 404 for another model's name; 401 without the API key (when one is
+set); 503 with Retry-After when the waiting queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minillm.outputs import CompletionOutput, RequestOutput
+from minillm.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from minillm.serve.chat_template import ChatTemplate, ChatTemplateError
+from minillm.serve.metrics import ServerMetrics
+from minillm.serve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+    value_error,
+)
+
+SAMPLING_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+
+
+class AbortingStream(StreamingResponse):
+    """A streaming response that calls `on_close` however it ends: done, or the client gone
+    (Starlette cancels the stream when it hears the disconnect), or a failed send."""
+
+    def __init__(self, content, on_close) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class OpenAIServer:
+    """The routes' logic, over one engine serving one model name."""
+
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        served_model_name: str,
+        metrics: ServerMetrics,
+        chat_template: ChatTemplate | None,
+    ) -> None:
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.tokenizer = self.engine.tokenizer
+        self.served_model_name = served_model_name
+        self.metrics = metrics
+        self.chat_template = chat_template
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ checks
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise ApiError(
+                f"the model {model!r} does not exist; this server serves "
+                f"{self.served_model_name!r}",
+                status_code=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+        """vLLM's rule: the prompt and max_tokens must fit in max_model_len together;
+        max_tokens None takes what is left."""
+        limit = self.engine.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ApiError(
+                f"this model's maximum context length is {limit} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens (at most {limit - 1} leave room for one output "
+                "token)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if isinstance(max_tokens, int) and max_tokens >= 1:
+            if num_prompt_tokens + max_tokens > limit:
+                raise ApiError(
+                    f"this model's maximum context length is {limit} tokens, but "
+                    f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in "
+                    f"the prompt, {max_tokens} in the completion); reduce the prompt or "
+                    "max_tokens",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+        return max_tokens  # a bad value is refused by SamplingParams, which names the field
+
+    def prompt_ids(self, prompt) -> list[int]:
+        try:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        except ValueError as err:
+            raise ApiError(str(err), param="prompt") from None
+        if not ids:
+            raise ApiError("the prompt is empty: expected at least one token", param="prompt")
+        return ids
+
+    # ------------------------------------------------------------------ running requests
+
+    async def start(self, prefix: str, prompts: list, params_list: list, shared: asyncio.Queue):
+        """Add every prompt, or none: a refusal aborts the ones already added."""
+        request_ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                request_id = f"{prefix}-{i}"
+                await self.async_engine.add_request(request_id, prompt, params, shared)
+                request_ids.append(request_id)
+        except BaseException as err:
+            self.async_engine.abort(*request_ids)
+            if isinstance(err, EngineOverloaded):
+                raise ApiError(
+                    str(err),
+                    status_code=503,
+                    code="server_overloaded",
+                    type="server_error",
+                    headers={"Retry-After": str(err.retry_after_s)},
+                ) from None
+            if isinstance(err, EngineDead):
+                raise ApiError(str(err), 503, code="engine_dead", type="server_error") from None
+            if isinstance(err, ValueError):
+                raise value_error(err, SAMPLING_FIELDS) from None
+            raise
+        return request_ids
+
+    async def collect(self, request: Request, request_ids: list[str], shared: asyncio.Queue):
+        """Wait for every request to finish; abort them all if the client disconnects."""
+        finals: dict[str, RequestOutput] = {}
+
+        async def drain() -> None:
+            while len(finals) < len(request_ids):
+                output = await shared.get()
+                if isinstance(output, BaseException):
+                    raise output
+                if output.finished:
+                    finals[output.request_id] = output
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.ensure_future(drain())
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                self.async_engine.abort(*request_ids)
+        if not work.done() or work.cancelled():
+            return None  # the client is gone; nobody reads an answer
+        if work.exception() is not None:
+            raise ApiError(str(work.exception()), 503, code="engine_dead", type="server_error")
+        for output in finals.values():
+            if output.error:
+                raise ApiError(output.error, 500, code="engine_error", type="server_error")
+        return [finals[r] for r in request_ids]
+
+    async def stream_outputs(self, shared: asyncio.Queue, num_requests: int):
+        """The outputs of `num_requests` requests sharing a queue, until all have finished."""
+        done = 0
+        while done < num_requests:
+            output = await shared.get()
+            if isinstance(output, BaseException):
+                raise output
+            done += output.finished
+            yield output
+
+    # ------------------------------------------------------------------ logprobs
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion_logprobs(self, logprobs, token_ids, k: int, offset: int) -> dict:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, alternatives in zip(token_ids, logprobs, strict=False):
+            text = self.token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(alternatives.get(token_id))
+            best = sorted(alternatives.items(), key=lambda item: -item[1])[:k]
+            top.append({self.token_text(t): lp for t, lp in best} if k else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, logprobs, token_ids, k: int) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for token_id, alternatives in zip(token_ids, logprobs, strict=False):
+            best = sorted(alternatives.items(), key=lambda item: -item[1])[:k]
+            item = entry(token_id, alternatives.get(token_id))
+            item["top_logprobs"] = [entry(t, lp) for t, lp in best]
+            content.append(item)
+        return {"content": content}
+
+    # ------------------------------------------------------------------ /v1/completions
+
+    def completion_prompts(self, body: CompletionRequest) -> list:
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise ApiError("the prompt is empty: expected at least one token", param="prompt")
+        return list(prompt)
+
+    async def completions(self, request: Request) -> Response:
+        body = parse_request(await request.body(), CompletionRequest)
+        self.check_model(body.model)
+        if body.echo and body.logprobs is not None:
+            raise ApiError("echo together with logprobs is not supported", param="echo")
+        prompts = self.completion_prompts(body)
+        ids_list = [self.prompt_ids(p) for p in prompts]
+        try:
+            params_list = [
+                body.sampling_params(
+                    self.max_tokens_for(len(ids), body.max_tokens, "prompt"), body.logprobs
+                )
+                for ids in ids_list
+            ]
+        except ValueError as err:
+            raise value_error(err, SAMPLING_FIELDS) from None
+        echoes = [
+            (p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else ""
+            for p in prompts
+        ]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        shared: asyncio.Queue = asyncio.Queue()
+        request_ids = await self.start(request_id, prompts, params_list, shared)
+        index_of = {r: i for i, r in enumerate(request_ids)}
+        n, k = body.n, body.logprobs
+        head = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.served_model_name,
+        }
+
+        def choice(prompt_index: int, c: CompletionOutput, text: str, logprobs) -> dict:
+            return {
+                "index": prompt_index * n + c.index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+
+        if not body.stream:
+            finals = await self.collect(request, request_ids, shared)
+            if finals is None:
+                return Response(status_code=499)
+            choices = []
+            for i, output in enumerate(finals):
+                for c in output.outputs:
+                    logprobs = None
+                    if k is not None:
+                        logprobs = self.completion_logprobs(c.logprobs, c.token_ids, k, 0)
+                    choices.append(choice(i, c, echoes[i] + c.text, logprobs))
+            usage = usage_of(finals)
+            return JSONResponse({**head, "choices": choices, "usage": usage})
+
+        async def events():
+            sent: dict[tuple[int, int], int] = {}  # (prompt, completion) -> tokens sent
+            text_sent: dict[tuple[int, int], int] = {}
+            finals: dict[str, RequestOutput] = {}
+            async for output in self.stream_outputs(shared, len(request_ids)):
+                if output.error:
+                    yield sse(engine_error(output.error))
+                    continue
+                i = index_of[output.request_id]
+                for c in output.outputs:
+                    key = (i, c.index)
+                    first = key not in sent
+                    start = sent.get(key, 0)
+                    text = (echoes[i] if first else "") + c.delta_text
+                    if not text and not c.finished and not first:
+                        continue
+                    logprobs = None
+                    if k is not None:
+                        new = c.token_ids[start:]
+                        logprobs = self.completion_logprobs(
+                            c.logprobs[start:], new, k, text_sent.get(key, 0)
+                        )
+                    sent[key] = len(c.token_ids)
+                    text_sent[key] = text_sent.get(key, 0) + len(text)
+                    yield sse({**head, "choices": [choice(i, c, text, logprobs)]})
+                if output.finished:
+                    finals[output.request_id] = output
+            if body.include_usage and len(finals) == len(request_ids):
+                yield sse({**head, "choices": [], "usage": usage_of(list(finals.values()))})
+            yield sse("[DONE]")
+
+        return AbortingStream(events(), lambda: self.async_engine.abort(*request_ids))
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = parse_request(await request.body(), ChatCompletionRequest)
+        self.check_model(body.model)
+        if self.chat_template is None:
+            raise ApiError(
+                "this model has no chat template (tokenizer_config.json has no "
+                '"chat_template"); use /v1/completions',
+                param="messages",
+                code="no_chat_template",
+            )
+        if not body.messages:
+            raise ApiError("messages must hold at least one message", param="messages")
+        messages = [m.as_template_input() for m in body.messages]
+        try:
+            text = self.chat_template.render(messages, body.add_generation_prompt)
+        except ChatTemplateError as err:
+            raise ApiError(str(err), param="messages") from None
+        # the template wrote the special tokens it wants (a BOS): add none of our own
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ApiError("the chat template rendered an empty prompt", param="messages")
+        k = body.num_logprobs()
+        max_tokens = self.max_tokens_for(len(ids), body.requested_max_tokens(), "messages")
+        try:
+            params = body.sampling_params(max_tokens, k)
+        except ValueError as err:
+            raise value_error(err, SAMPLING_FIELDS) from None
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        shared: asyncio.Queue = asyncio.Queue()
+        request_ids = await self.start(request_id, [ids], [params], shared)
+        head = {"id": request_id, "created": int(time.time()), "model": self.served_model_name}
+
+        if not body.stream:
+            finals = await self.collect(request, request_ids, shared)
+            if finals is None:
+                return Response(status_code=499)
+            choices = [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None
+                    if k is None
+                    else self.chat_logprobs(c.logprobs, c.token_ids, k),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in finals[0].outputs
+            ]
+            return JSONResponse(
+                {
+                    **head,
+                    "object": "chat.completion",
+                    "choices": choices,
+                    "usage": usage_of(finals),
+                }
+            )
+
+        head = {**head, "object": "chat.completion.chunk"}
+
+        def chunk(index: int, delta: dict, logprobs=None, finish=None, stop=None) -> str:
+            return sse(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": delta,
+                            "logprobs": logprobs,
+                            "finish_reason": finish,
+                            "stop_reason": stop,
+                        }
+                    ],
+                }
+            )
+
+        async def events():
+            for index in range(body.n):  # the role first, as OpenAI sends it
+                yield chunk(index, {"role": "assistant", "content": ""})
+            sent: dict[int, int] = {}
+            final = None
+            async for output in self.stream_outputs(shared, 1):
+                if output.error:
+                    yield sse(engine_error(output.error))
+                    continue
+                for c in output.outputs:
+                    if not c.delta_text and not c.finished:
+                        continue
+                    start = sent.get(c.index, 0)
+                    logprobs = None
+                    if k is not None:
+                        logprobs = self.chat_logprobs(c.logprobs[start:], c.token_ids[start:], k)
+                    sent[c.index] = len(c.token_ids)
+                    delta = {"content": c.delta_text} if c.delta_text else {}
+                    yield chunk(c.index, delta, logprobs, c.finish_reason, c.stop_reason)
+                if output.finished:
+                    final = output
+            if body.include_usage and final is not None:
+                yield sse({**head, "choices": [], "usage": usage_of([final])})
+            yield sse("[DONE]")
+
+        return AbortingStream(events(), lambda: self.async_engine.abort(*request_ids))
+
+    # ------------------------------------------------------------------ the rest
+
+    def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.served_model_name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "minillm",
+                    "root": str(self.tokenizer.path.parent),
+                    "max_model_len": self.engine.max_model_len,
+                }
+            ],
+        }
+
+
+def usage_of(finals: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def engine_error(message: str) -> dict:
+    return ApiError(message, 500, code="engine_error", type="server_error").body()
+
+
+class ApiKeyMiddleware:
+    """401 for /v1 routes without `Authorization: Bearer <api_key>` (/health and /metrics
+    stay open, as in vLLM). Plain ASGI, so that streaming and disconnects pass untouched."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = ApiError(
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    status_code=401,
+                    code="invalid_api_key",
+                )
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    served_model_name: str,
+    metrics: ServerMetrics,
+    chat_template: ChatTemplate | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The FastAPI app. `async_engine` must be started (and is not stopped by the app)."""
+    server = OpenAIServer(async_engine, served_model_name, metrics, chat_template)
+    app = FastAPI(title="minillm", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
+
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if async_engine.is_running else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return server.models()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.chat_completions(request)
+
+    return app

@@ -1,0 +1,180 @@
+"""The server's Prometheus metrics, with vLLM's names, buckets and meaning.
+
+Names keep vLLM's `vllm:` prefix (as in vLLM v0.11's `vllm/v1/metrics/loggers.py`), so a
+dashboard, an alert or a PromQL query written for vLLM reads `minillm serve` unchanged:
+
+    vllm:time_to_first_token_seconds    histogram  arrival -> first output token
+    vllm:inter_token_latency_seconds    histogram  every gap between consecutive tokens
+    vllm:e2e_request_latency_seconds    histogram  arrival -> finished
+    vllm:request_queue_time_seconds     histogram  arrival -> first scheduled
+    vllm:request_prompt_tokens          histogram  prompt tokens per finished request
+    vllm:request_generation_tokens      histogram  output tokens per finished request
+    vllm:prompt_tokens_total            counter    prompt tokens of requests that prefilled
+    vllm:generation_tokens_total        counter    output tokens sampled
+    vllm:request_success_total          counter    finished requests, by finished_reason
+    vllm:num_requests_running           gauge      requests in the running batch
+    vllm:num_requests_waiting           gauge      requests queued, not yet scheduled
+    vllm:kv_cache_usage_perc            gauge      fraction of KV blocks held, 0 to 1
+    vllm:prefix_cache_queries_total     counter    prompt tokens looked up in the prefix cache
+    vllm:prefix_cache_hits_total        counter    of those, tokens found there
+    vllm:num_preemptions_total          counter    preemptions
+
+Every series has the label `model_name`. Each app has its own `CollectorRegistry`, so two
+servers in one process (a notebook, the tests) never mix their counts. Latencies come from
+the engine's own timestamps (`RequestOutput.metrics`, one clock), observed as outputs come
+out of each step; the gauges and the prefix-cache counters are read from the engine when
+`/metrics` is scraped.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from minillm.outputs import RequestOutput
+
+# vLLM's buckets (seconds)
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
+    out, base = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if base * m > limit:
+                return out
+            out.append(base * m)
+        base *= 10
+
+
+class EngineStateCollector:
+    """Gauges and counters the engine keeps itself, read at scrape time."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        engine, labels = self.engine, [self.model_name]
+        scheduler, kv = engine.scheduler, engine.kv_cache_manager
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch.",
+             len(scheduler.running)),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+             len(scheduler.waiting)),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", kv.usage),
+        ):  # fmt: skip
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric(labels, value)
+            yield gauge
+        stats = kv.prefix_cache_stats
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             stats.num_queried_tokens),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             stats.num_hit_tokens),
+            ("vllm:num_preemptions", "Preemptions since the engine started.",
+             scheduler.num_preemptions),
+        ):  # fmt: skip
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
+
+
+class ServerMetrics:
+    """One server's registry and the request-level metrics observed from engine outputs."""
+
+    def __init__(self, engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"labelnames": ["model_name"], "registry": self.registry}
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(name, doc, buckets=buckets, **labels).labels(model_name)
+
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token (s).", TTFT_BUCKETS_S
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency (s).", ITL_BUCKETS_S
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency (s).",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Time a request waited before it was first scheduled (s).",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        token_buckets = buckets_1_2_5(engine.max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Output tokens per finished request.", token_buckets
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens of requests that prefilled.", **labels
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Output tokens sampled.", **labels
+        ).labels(model_name)
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Finished requests by finished_reason.",
+            labelnames=["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.model_name = model_name
+        self.registry.register(EngineStateCollector(engine, model_name))
+        # per request in flight: (token times seen, output tokens seen)
+        self._seen: dict[str, tuple[int, int]] = {}
+
+    def observe(self, output: RequestOutput) -> None:
+        """Record what this output adds to its request (called once per output, in order)."""
+        m = output.metrics
+        times_seen, tokens_seen = self._seen.get(output.request_id, (0, 0))
+        times = m.token_times
+        if times_seen == 0 and times:
+            self.ttft.observe(times[0] - m.arrival_time)
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+        for earlier, later in pairwise(times[max(times_seen - 1, 0) :]):
+            self.itl.observe(later - earlier)
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        self.generation_tokens.inc(num_tokens - tokens_seen)
+        if not output.finished:
+            self._seen[output.request_id] = (len(times), num_tokens)
+            return
+        self._seen.pop(output.request_id, None)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.queueing_time_s is not None:
+            self.queue_time.observe(m.queueing_time_s)
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(num_tokens)
+        reasons = {c.finish_reason for c in output.outputs}
+        reason = "abort" if "abort" in reasons or output.error else sorted(reasons)[0]
+        self.request_success.labels(self.model_name, reason).inc()
+
+    @property
+    def num_tracked(self) -> int:
+        """Requests whose progress is remembered (in flight); 0 when the server is idle."""
+        return len(self._seen)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,215 @@
+"""The OpenAI request bodies the server accepts, and their mapping onto `SamplingParams`.
+
+Fields are OpenAI's (`/v1/completions`, `/v1/chat/completions`) plus vLLM's extras that the
+engine supports (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
+`stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output`, and for chat
+`add_generation_prompt`). Any other field is refused with a 400 that names it, rather than
+ignored: a client that asks for `logit_bias` or `tools` must learn that it did not get them.
+Types are checked strictly (`"max_tokens": "16"` is an error, not 16); the values' ranges
+are checked by `SamplingParams` itself, whose messages name the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from minillm.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status_code, self.param = message, status_code, param
+        self.code, self.type, self.headers = code, type, headers
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """What both endpoints share."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted (OpenAI clients send it) and not used
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams of this request; None fields take vLLM's defaults."""
+        defaults = SamplingParams()
+        pick = {
+            name: getattr(self, name)
+            for name in (
+                "temperature",
+                "top_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+            )
+        }
+        return SamplingParams(
+            n=self.n,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            **{k: getattr(defaults, k) if v is None else v for k, v in pick.items()},
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None  # top-n alternatives per token
+    echo: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        content = self.content
+        if isinstance(content, list):  # text parts are joined, as vLLM does for text models
+            content = "\n".join(part.text for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ApiError(
+                "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens"
+            )
+        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+
+# what the fields that take several types accept, for their error messages
+UNION_TYPES = {
+    "prompt": "a string, a list of token ids, a list of strings or a list of token-id lists",
+    "stop": "null, a string or a list of strings",
+    "content": 'a string or a list of {"type": "text", "text": ...} parts',
+}
+
+
+def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """The request body -> a request object, or an ApiError that names the field."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ApiError(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(
+            f"the request body must be a JSON object, got {type(data).__name__}",
+            code="invalid_json",
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise validation_error(err) from None
+
+
+def validation_error(err: ValidationError) -> ApiError:
+    first = err.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    # a union's failure lists each branch it tried (`prompt.str`, `prompt.list[int]`):
+    # name the field the client sent, not pydantic's branches
+    field = []
+    for part in loc:
+        if "[" in part or part in ("str", "int", "float", "bool", "function-after"):
+            break
+        field.append(part)
+    param = ".".join(field) or None
+    if first["type"] == "extra_forbidden":
+        return ApiError(f"unsupported field {param!r}: minillm does not implement it", param=param)
+    if first["type"] == "missing":
+        return ApiError(f"the field {param!r} is required", param=param)
+    got = json.dumps(first.get("input"), default=str)[:80]
+    if len(field) < len(loc) and field and field[-1] in UNION_TYPES:  # a union field
+        return ApiError(f"{param} must be {UNION_TYPES[field[-1]]}, got {got}", param=param)
+    return ApiError(f"{param}: {first['msg']} (got {got})", param=param)
+
+
+def value_error(err: ValueError, fields: set[str]) -> ApiError:
+    """A ValueError from SamplingParams or the engine, with the field it names as param."""
+    message = str(err)
+    first_word = message.split(" ", 1)[0]
+    return ApiError(message, param=first_word if first_word in fields else None)

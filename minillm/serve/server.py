@@ -1,0 +1,193 @@
+"""Start and stop a server: from the command line (`minillm serve`) or in-process.
+
+In a notebook or a test, `run_server` starts uvicorn in a thread on a loopback port and
+stops it at the end of the block:
+
+    from minillm import LLM
+    from minillm.serve import run_server
+
+    llm = LLM(max_model_len=512)
+    with run_server(llm, port=0) as server:        # port 0: any free port
+        print(server.url)                          # http://127.0.0.1:PORT
+        # openai.OpenAI(base_url=server.base_url, api_key="-"), minillm bench serve
+        #   --base-url server.url, or httpx.get(server.url + "/metrics")
+
+`start_server` does the same without the block; `server.stop()` ends it. While a server
+runs, it owns its engine: do not call `llm.generate` on the same `LLM` until it is stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from minillm.engine.args import EngineArgs
+from minillm.engine.llm_engine import LLMEngine
+from minillm.model.loader import DEFAULT_MODEL
+from minillm.serve.api_server import build_app
+from minillm.serve.async_engine import AsyncEngine
+from minillm.serve.chat_template import ChatTemplate
+from minillm.serve.metrics import ServerMetrics
+
+DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from this machine only, unless asked
+DEFAULT_PORT = 8000
+DEFAULT_MAX_WAITING_REQUESTS = 256
+
+
+@dataclass
+class ServerApp:
+    """Everything a server is made of, before it listens anywhere."""
+
+    app: object  # the FastAPI app
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    metrics: ServerMetrics
+    served_model_name: str
+    owns_engine: bool  # made here from a model name: shut down with the server
+
+    def close(self) -> None:
+        self.async_engine.shutdown()
+        if self.owns_engine:
+            self.engine.shutdown()
+
+
+def make_server_app(
+    model=None,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+    **engine_args,
+) -> ServerApp:
+    """The app for `model`: an `LLM`, an `LLMEngine`, or a model directory or bundled name
+    (None: the bundled model) with EngineArgs options (block_size=..., max_num_seqs=...)."""
+    from minillm.llm import LLM
+
+    lock = None
+    if isinstance(model, LLM | LLMEngine):
+        if engine_args:
+            raise ValueError(
+                f"engine options {sorted(engine_args)} apply only when the server loads the "
+                "model itself; this one is already loaded"
+            )
+        engine = model.engine if isinstance(model, LLM) else model
+        lock = model._lock if isinstance(model, LLM) else None
+        owns_engine = False
+        name = served_model_name or engine.tokenizer.path.parent.name
+    else:
+        args = EngineArgs(**engine_args) if model is None else EngineArgs(model, **engine_args)
+        engine = LLMEngine(args)
+        owns_engine = True
+        name = served_model_name or str(DEFAULT_MODEL if model is None else os.fspath(model))
+    metrics = ServerMetrics(engine, name)
+    async_engine = AsyncEngine(engine, max_waiting_requests, metrics.observe, lock)
+    chat_template = ChatTemplate.from_model_dir(engine.tokenizer.path.parent)
+    app = build_app(async_engine, name, metrics, chat_template, api_key)
+    return ServerApp(app, engine, async_engine, metrics, name, owns_engine)
+
+
+@dataclass
+class RunningServer:
+    """A server listening in a thread of this process."""
+
+    url: str  # http://host:port
+    parts: ServerApp
+    _uvicorn: object
+    _thread: threading.Thread
+
+    @property
+    def base_url(self) -> str:
+        """The URL OpenAI clients take: url + "/v1"."""
+        return self.url + "/v1"
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.parts.engine
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        return self.parts.metrics
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop listening, abort what is in flight, stop the engine thread."""
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout_s)
+        self.parts.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def start_server(
+    model=None,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = 0,
+    log_level: str = "warning",
+    **options,
+) -> RunningServer:
+    """Serve `model` (see make_server_app; options go there) from a thread; returns once it
+    accepts connections. port 0 picks a free port (server.url tells which)."""
+    import uvicorn
+
+    parts = make_server_app(model, **options)
+    parts.async_engine.start()
+    sock = bind_socket(host, port)
+    config = uvicorn.Config(
+        parts.app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="minillm-http", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            parts.close()
+            raise RuntimeError("the server did not start")
+        time.sleep(0.01)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    return RunningServer(f"http://{shown}:{bound_port}", parts, server, thread)
+
+
+@contextlib.contextmanager
+def run_server(model=None, **options) -> Iterator[RunningServer]:
+    """`start_server` for a with-block: the server stops when the block ends."""
+    server = start_server(model, **options)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def serve_forever(
+    model=None, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_level="info", **options
+) -> None:
+    """Serve in the foreground until interrupted (what `minillm serve` runs)."""
+    import uvicorn
+
+    parts = make_server_app(model, **options)
+    parts.async_engine.start()
+    try:
+        print(f"minillm serve: {parts.served_model_name} on http://{host}:{port}", flush=True)
+        uvicorn.run(
+            parts.app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=5,
+        )
+    finally:
+        parts.close()
