@@ -42,6 +42,12 @@ class LLM:
         # outputs not yet taken by the call that owns the request, by request id
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
 
+    def spec_decode_stats(self):
+        """Speculative decoding's counters (`SpecDecodingStats`: num_drafts, num_draft_tokens,
+        num_accepted_tokens, num_accepted_tokens_per_pos, ...), or None without
+        speculative_config."""
+        return self.engine.spec_decode_stats()
+
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor or pipeline parallelism); the engine
         cannot run afterwards. Also done at the end of a `with LLM(...) as llm:` block and

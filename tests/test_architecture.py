@@ -27,8 +27,10 @@ LAYERS = {
     + ("minillm.outputs",),
     "minillm.distributed": ("minillm.core", "minillm.worker", "minillm.model", "kernels")
     + ("minillm.outputs", "minillm.sampling_params"),
+    "minillm.spec": ("minillm.core", "minillm.worker", "minillm.model", "minillm.outputs")
+    + ("minillm.sampling_params", "kernels"),
     "minillm.engine": ("minillm.core", "minillm.worker", "minillm.model", "minillm.outputs")
-    + ("minillm.sampling_params", "minillm.distributed"),
+    + ("minillm.sampling_params", "minillm.distributed", "minillm.spec"),
     # the HTTP server: the engine and what it hands back, never the book's instruments
     "minillm.serve": ("minillm.engine", "minillm.core", "minillm.model", "minillm.outputs")
     + ("minillm.sampling_params", "minillm.llm"),

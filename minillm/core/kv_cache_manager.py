@@ -226,6 +226,27 @@ class KVCacheManager:
             self.block_pool.add_to_tree(block)
         num_cached.extend([0] * (num_full_blocks - len(num_cached)))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Shrink a request's block table to the blocks its first `num_tokens` tokens need;
+        the blocks past them go back to the pool (speculative decoding: the slots of rejected
+        draft tokens). Those blocks hold no full block of computed tokens, so no prefix-cache
+        hash points at them."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None:
+            return
+        num_kept = -(-num_tokens // self.block_size)
+        if num_kept >= len(blocks):
+            return
+        if num_kept < len(self.req_to_block_hashes.get(request.request_id, ())):
+            raise ValueError(
+                f"cannot trim request {request.request_id!r} to {num_tokens} tokens: "
+                "cached full blocks would go"
+            )
+        self._block_ids.pop(request.request_id, None)
+        dropped = blocks[num_kept:]
+        del blocks[num_kept:]
+        self.block_pool.free_blocks(reversed(dropped))
+
     def free(self, request: Request) -> None:
         """Release every block of a request that finished, was aborted, or is preempted.
 

@@ -96,20 +96,30 @@ class ScheduledRequest:
     # n > 1: the completions forked from this request in this step; each samples its own token
     # from this request's row of logits
     forks: Sequence[Request] = ()
+    # speculative decoding: slots reserved past the request's last token for draft tokens (a
+    # decode only), and the drafts the proposer put there; num_new_tokens counts both
+    num_lookahead_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def plan(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
         num_computed_tokens = request.num_computed_tokens
         num_tokens = len(request.all_token_ids)
-        samples = num_computed_tokens + num_new_tokens == num_tokens
+        num_lookahead_tokens = max(0, num_computed_tokens + num_new_tokens - num_tokens)
+        samples = num_computed_tokens + num_new_tokens >= num_tokens
         # a preempted request recomputing its output tokens is prefilling again
-        is_decode = samples and num_new_tokens == 1 and num_tokens > len(request.prompt_token_ids)
+        is_decode = (
+            samples
+            and num_new_tokens - num_lookahead_tokens == 1
+            and num_tokens > len(request.prompt_token_ids)
+        )
         return cls(
             request=request,
             num_computed_tokens=num_computed_tokens,
             num_new_tokens=num_new_tokens,
             samples=samples,
             phase="decode" if is_decode else "prefill",
+            num_lookahead_tokens=num_lookahead_tokens,
         )
 
     @property
@@ -159,6 +169,7 @@ class Scheduler:
         clock: Callable[[], float] = time.perf_counter,
         scheduling_policy: str = "fcfs",
         batching_type: str = "continuous",
+        num_lookahead_tokens: int = 0,
     ) -> None:
         check_scheduler_options(
             max_num_seqs,
@@ -176,6 +187,8 @@ class Scheduler:
         self.clock = clock
         self.scheduling_policy = scheduling_policy
         self.batching_type = batching_type
+        # speculative decoding: KV slots a decode reserves for draft tokens (k), 0 without
+        self.num_lookahead_tokens = num_lookahead_tokens
         # in arrival order, preempted requests in front; the policy orders it (waiting_order)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -223,7 +236,10 @@ class Scheduler:
         # running[:len(output.scheduled)] are the requests planned so far, in order
         while len(output.scheduled) < len(self.running) and token_budget > 0:
             request = self.running[len(output.scheduled)]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new_tokens = min(
+                request.num_tokens - request.num_computed_tokens + self._lookahead(request),
+                token_budget,
+            )
             num_planned_tokens = output.num_batched_tokens
             if not self._allocate_or_preempt(request, num_new_tokens, output):
                 break  # the request preempted itself: nobody of lower rank is left to make room
@@ -233,6 +249,19 @@ class Scheduler:
             output.num_batched_tokens += num_new_tokens
             token_budget -= num_new_tokens
         return token_budget
+
+    def _lookahead(self, request: Request) -> int:
+        """Draft slots for a request in decode: k, fewer near max_model_len or max_tokens (the
+        round emits at most drafts + 1 tokens), none for a prompt chunk."""
+        if not self.num_lookahead_tokens:
+            return 0
+        if request.num_tokens - request.num_computed_tokens != 1 or not request.num_output_tokens:
+            return 0
+        room = self.max_model_len - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return max(0, min(self.num_lookahead_tokens, room))
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, output: SchedulerOutput
@@ -366,6 +395,11 @@ class Scheduler:
             request = scheduled.request
             if request.status.is_finished:
                 continue  # finished from outside (abort) while the step ran
+            if scheduled.num_lookahead_tokens:
+                if self._update_speculative(scheduled, sampled[request.request_id], now):
+                    finished.append(request)
+                progressed.append(request)
+                continue
             request.num_computed_tokens += scheduled.num_new_tokens
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             if not scheduled.samples:
@@ -383,6 +417,27 @@ class Scheduler:
         if finished:
             self._free_finished(finished, now)
         return progressed
+
+    def _update_speculative(self, scheduled: ScheduledRequest, tokens, now: float) -> bool:
+        """A speculative decode: append the accepted drafts and the token after them (stopping
+        at the first that finishes the request), count as computed the step's first token and
+        the accepted drafts, and give back the slots of the rejected ones (both caches share
+        the block table). Returns whether the request finished."""
+        request = scheduled.request
+        tokens = tokens if isinstance(tokens, list) else [tokens]
+        num_appended, stopped = 0, False
+        for token in tokens:
+            request.append_output_token(token.token_id, token.logprobs)
+            request.metrics.record_token(now)
+            num_appended += 1
+            if check_stop(request, self.max_model_len):
+                stopped = True
+                break
+        # the last token appended has no KV yet; each one before it does
+        request.num_computed_tokens += num_appended
+        self.kv_cache_manager.trim(request, request.num_computed_tokens)
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        return stopped
 
     def finish_requests(
         self,

@@ -20,6 +20,7 @@ from minillm.distributed.parallel_state import ParallelConfig, max_world_size
 from minillm.model.config import ModelConfig
 from minillm.model.loader import DEFAULT_MODEL
 from minillm.sampling_params import MAX_SEED, MIN_SEED
+from minillm.spec.config import SpeculativeConfig
 
 # max_model_len defaults to the model's limit, but at most this: a CPU pool for 40k-token
 # contexts (Qwen3) would be gigabytes
@@ -67,6 +68,9 @@ class EngineArgs:
     pipeline_parallel_size: int = 1  # layers split into this many stages
     # micro-batches a step's batch is cut into for the pipeline; None: pipeline_parallel_size
     pipeline_micro_batches: int | None = None
+    # speculative decoding, vLLM's dict: {"method": "draft_model" | "ngram", "model": ...,
+    # "num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...}
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is None:
@@ -126,6 +130,13 @@ class EngineArgs:
                 "quantization runs on one process; it cannot be combined with "
                 "tensor_parallel_size or pipeline_parallel_size > 1"
             )
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+            if self.parallel_config().world_size > 1:
+                raise ValueError(
+                    "speculative_config runs on one process; it cannot be combined with "
+                    "tensor_parallel_size or pipeline_parallel_size > 1"
+                )
         # the scheduler's own rules, with the defaults a model does not change
         check_scheduler_options(
             self.max_num_seqs,
@@ -144,6 +155,17 @@ class EngineArgs:
         if self.device is None:
             return "cuda" if torch.cuda.is_available() else "cpu"
         return str(self.device).split(":")[0]
+
+    def resolve_speculative_config(
+        self, config: ModelConfig, max_model_len: int
+    ) -> SpeculativeConfig | None:
+        """The speculative config checked against the target: the draft's vocabulary must be
+        the target's, and its context must hold max_model_len tokens."""
+        spec = self.speculative_config
+        if spec is None:
+            return None
+        spec.check_draft_config(config.vocab_size, max_model_len)
+        return spec
 
     def resolve_max_model_len(self, config: ModelConfig) -> int:
         limit = config.max_position_embeddings

@@ -37,6 +37,11 @@ from minillm.model.config import torch_dtype
 from minillm.model.loader import load_model, resolve_device
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
+from minillm.spec.spec_runner import (
+    SpecDecodeRunner,
+    SpecDecodingStats,
+    unsupported_with_spec_decode,
+)
 from minillm.worker.cuda_graphs import CUDA_GRAPH_BACKENDS, CUDAGraphConfig
 from minillm.worker.model_runner import ModelRunner, profile_peak_bytes
 from minillm.worker.sampler import Sampler
@@ -67,6 +72,7 @@ class LLMEngine:
         self.device = torch.device(device)
         self.clock = clock
         self.max_model_len = args.resolve_max_model_len(self.config)
+        spec_config = args.resolve_speculative_config(self.config, self.max_model_len)
         max_num_batched_tokens = args.resolve_max_num_batched_tokens(self.max_model_len)
         dtype = torch_dtype(self.config.torch_dtype)
         block_bytes = kv_cache_block_bytes(self.config, args.block_size, dtype)
@@ -94,6 +100,7 @@ class LLMEngine:
             clock=clock,
             scheduling_policy=args.scheduling_policy,
             batching_type=args.batching_type,
+            num_lookahead_tokens=spec_config.num_speculative_tokens if spec_config else 0,
         )
         self.parallel_config = parallel
         self.executor: MultiprocExecutor | None = None
@@ -126,6 +133,17 @@ class LLMEngine:
                 args.block_size,
                 CUDAGraphConfig(args.max_num_seqs, self.max_model_len) if use_graphs else None,
             )
+        # what runs each step: the model runner, or speculative decoding around it
+        self.runner = self.model_runner
+        self.spec_runner: SpecDecodeRunner | None = None
+        if spec_config is not None:
+            draft = None
+            if spec_config.method == "draft_model":
+                draft = load_model(spec_config.model, args.dtype, device, backend).model
+            self.spec_runner = SpecDecodeRunner(
+                self.model_runner, spec_config, self.max_model_len, draft, num_blocks
+            )
+            self.runner = self.spec_runner
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats(window=args.stats_window)
         if on_cuda:
@@ -239,6 +257,10 @@ class LLMEngine:
             raise ValueError(
                 f"stop_token_ids must be in [0, {vocab_size}) for this model, got {bad[:5]}"
             )
+        if self.spec_runner is not None:
+            reason = unsupported_with_spec_decode(params)
+            if reason is not None:
+                raise ValueError(reason)
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(
                 f"n={params.n} completions cannot run together with "
@@ -267,7 +289,7 @@ class LLMEngine:
         """One iteration: schedule, run the model, update the requests, report progress."""
         plan = self.scheduler.schedule()
         try:
-            sampled = self.model_runner.execute_model(plan)
+            sampled = self.runner.execute_model(plan)
         except WorkerError:
             raise  # the worker processes are gone: no request can run any more
         except Exception as error:  # noqa: BLE001 - isolated per request below, then reported
@@ -296,6 +318,10 @@ class LLMEngine:
         """Stop the worker processes of a multi-process engine (nothing to do otherwise)."""
         if self.executor is not None:
             self.executor.shutdown()
+
+    def spec_decode_stats(self) -> SpecDecodingStats | None:
+        """Speculative decoding's counters since the engine started (None without it)."""
+        return None if self.spec_runner is None else self.spec_runner.stats
 
     def collective_stats(self) -> list[StepRecord]:
         """Per step, what the driver rank did: tokens, sampled rows, and the calls and bytes
@@ -328,7 +354,7 @@ class LLMEngine:
         for scheduled in plan.scheduled:
             alone = SchedulerOutput(step=plan.step, scheduled=[scheduled])
             try:
-                sampled.update(self.model_runner.execute_model(alone))
+                sampled.update(self.runner.execute_model(alone))
             except Exception as error:  # noqa: BLE001 - reported with the request
                 failed.append((scheduled, f"{type(error).__name__}: {error}"))
         if not failed:  # only the batch as a whole fails: nobody is to blame alone
