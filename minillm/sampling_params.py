@@ -5,10 +5,14 @@ transfers. Bad values are rejected here, where they enter, rather than deep insi
 The object is frozen: a value changed after construction would skip this validation.
 """
 
+import json
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from minillm.structured.json_schema import schema_to_regex
+from minillm.structured.regex import compile_regex, escape
 
 # Temperatures below this are greedy: dividing logits by a tiny temperature overflows
 # (vLLM's _SAMPLING_EPS).
@@ -32,6 +36,96 @@ MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 # stop_token_ids become int64 indices into the logits.
 MAX_TOKEN_ID = 2**63 - 1
+# what logprobs report (vLLM's logprobs_mode, an engine option): the model's own, or those of
+# the distribution the token is drawn from after masks, penalties, temperature and filters
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on the text of a request: exactly one of regex, json or choice.
+
+    vLLM's name and fields since v0.10.2 (before: `guided_decoding=GuidedDecodingParams`):
+    `regex` (the whole output matches it, `minillm.structured.regex` lists the subset), `json`
+    (a JSON schema, as a dict or its text, in the subset of `minillm.structured.json_schema`;
+    the output is one JSON value in `json.dumps`'s layout) and `choice` (the output is one of
+    the strings). Each is compiled to one regex (`pattern`), checked and compiled here, so a
+    bad constraint is a ValueError where it enters.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    pattern: str = field(init=False, repr=False, compare=False, default="")
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs needs exactly one of json, regex or choice, got {given}"
+            )
+        if self.regex is not None:
+            _require(isinstance(self.regex, str), "structured_outputs.regex", self.regex, "a str")
+            pattern = self.regex
+        elif self.choice is not None:
+            choice = self.choice
+            ok = (
+                isinstance(choice, list | tuple)
+                and choice
+                and all(isinstance(c, str) and c for c in choice)
+            )
+            _require(ok, "structured_outputs.choice", choice, "a non-empty list of non-empty str")
+            object.__setattr__(self, "choice", tuple(choice))
+            pattern = "|".join(f"(?:{escape(c)})" for c in choice)
+        else:
+            _require(
+                isinstance(self.json, dict | str),
+                "structured_outputs.json",
+                self.json,
+                "a JSON schema (a dict or its JSON text)",
+            )
+            if isinstance(self.json, dict):
+                json.dumps(self.json)  # TypeError for values JSON cannot hold
+            pattern = schema_to_regex(self.json)
+        compile_regex(pattern)  # RegexError (a ValueError) for a pattern outside the subset
+        object.__setattr__(self, "pattern", pattern)
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearchParams:
+    """Options of `LLM.beam_search`, with vLLM's names and defaults.
+
+    beam_width beams are kept per step; each beam is scored by get_beam_search_score:
+    cumulative logprob / (sequence length ** length_penalty), the sequence being the prompt and
+    the generated tokens (an EOS at the end not counted). The search asks the engine for
+    2 * beam_width logprobs per beam, so beam_width is at most 10 here (logprobs <= 20).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        beam_allowed = f"an int in [1, {MAX_LOGPROBS // 2}]"
+        beam_width = _as_int("beam_width", self.beam_width, beam_allowed)
+        _require(1 <= beam_width <= MAX_LOGPROBS // 2, "beam_width", self.beam_width, beam_allowed)
+        max_tokens = _as_int("max_tokens", self.max_tokens, "an int >= 1")
+        _require(max_tokens >= 1, "max_tokens", self.max_tokens, "an int >= 1")
+        temperature = _as_float("temperature", self.temperature, "a float >= 0")
+        _require(temperature >= 0, "temperature", self.temperature, "a float >= 0")
+        length_penalty = _as_float("length_penalty", self.length_penalty, "a finite float")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
+        for name, value in (
+            ("beam_width", beam_width),
+            ("max_tokens", max_tokens),
+            ("temperature", temperature),
+            ("length_penalty", length_penalty),
+        ):
+            object.__setattr__(self, name, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +159,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs to return besides the sampled token's; <= 20
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # constrained decoding: the output matches a regex, a JSON schema or one of a few choices
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         n = _as_int("n", self.n, "an int >= 1")
@@ -124,6 +220,13 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             value = getattr(self, name)
             _require(isinstance(value, bool), name, value, "True or False")
+        _require(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            self.structured_outputs,
+            "None or a StructuredOutputsParams",
+        )
 
         normalized = {
             "n": n,

@@ -29,7 +29,10 @@ LAYERS = {
     + ("minillm.outputs", "minillm.sampling_params"),
     "minillm.spec": ("minillm.core", "minillm.worker", "minillm.model", "minillm.outputs")
     + ("minillm.sampling_params", "kernels"),
+    # constrained decoding: compiled on the tokenizer's vocabulary; the sampler applies it
+    "minillm.structured": ("minillm.model", "minillm.sampling_params"),
     "minillm.engine": ("minillm.core", "minillm.worker", "minillm.model", "minillm.outputs")
+    + ("minillm.structured",)
     + ("minillm.sampling_params", "minillm.distributed", "minillm.spec"),
     # the HTTP server: the engine and what it hands back, never the book's instruments
     "minillm.serve": ("minillm.engine", "minillm.core", "minillm.model", "minillm.outputs")

@@ -2,11 +2,19 @@
 
 Each step of a row is a chain of logits processors followed by one draw, in vLLM's order:
 
-    raw logits -> min_tokens mask -> penalties -> temperature -> top-k -> top-p -> min-p -> sample
+    raw logits -> grammar mask -> min_tokens mask -> penalties -> temperature -> top-k -> top-p
+           -> min-p -> sample
 
 Greedy rows (temperature 0) take the argmax of the penalized logits and skip the rest. The
-logprobs the sampler reports come from the raw logits, before any processing, as vLLM V1
-returns them by default.
+grammar mask (constrained decoding, `SamplingParams.structured_outputs`) sets every token the
+request's grammar does not allow next to -inf (`minillm.structured`).
+
+The logprobs the sampler reports follow vLLM's `logprobs_mode`: "raw_logprobs" (the default,
+as vLLM V1 returns them) is the model's log-softmax before any processing; "raw_logits" the
+model's logits themselves; "processed_logprobs" and "processed_logits" are taken from the
+logits the token is finally drawn from: after the grammar mask, min_tokens, penalties,
+temperature and top-k/top-p/min-p (-inf where masked or filtered). For a greedy row that is
+after the penalties (greedy rows skip temperature and the filters, as in vLLM).
 
 Every processor is a function of the whole batch, with the per-row parameters as tensors:
 `logits: [num_rows, vocab_size]`, `temperature: [num_rows]` and so on. Python loops remain only
@@ -18,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.sampling_params import SamplingParams
+from minillm.sampling_params import LOGPROBS_MODES, SamplingParams
 
 
 @dataclass(slots=True)
@@ -30,12 +38,13 @@ class SamplingState:
     output_token_ids: list[int]
     generator: torch.Generator | None  # the request's own, when it has a seed; see make_generator
     eos_token_ids: Sequence[int] = ()  # masked with params.stop_token_ids until min_tokens
+    request_id: str | None = None  # names the row's grammar state (structured outputs)
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # raw logprob of each sampled token
+    logprobs: list[float]  # logprob of each sampled token (raw or processed: logprobs_mode)
     top_logprobs: list[list[tuple[int, float]] | None]  # params.logprobs best (id, logprob)
 
 
@@ -215,9 +224,22 @@ def top_logprobs(
 class Sampler:
     """Turns a batch of logits into one token per row, each row with its own SamplingParams."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        generator: torch.Generator | None = None,
+        structured_output_manager=None,
+        logprobs_mode: str = "raw_logprobs",
+    ) -> None:
+        """structured_output_manager: a `minillm.structured.grammar.StructuredOutputManager`,
+        needed by rows with structured_outputs; logprobs_mode: one of LOGPROBS_MODES."""
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}"
+            )
         # shared by rows without a seed; torch's default generator when None
         self.generator = generator
+        self.structured_output_manager = structured_output_manager
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[SamplingState]) -> SamplerOutput:
         """logits: [num_rows, vocab_size], the raw model logits; requests: one state per row."""
@@ -227,11 +249,21 @@ class Sampler:
                 f"got {tuple(logits.shape)}"
             )
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1)
+        mode = self.logprobs_mode
+        reported = logits.log_softmax(dim=-1) if mode == "raw_logprobs" else logits
         params = [request.params for request in requests]
 
+        grammar_mask = None
+        if any(p.structured_outputs is not None for p in params):
+            grammar_mask = self.grammar_masks(requests, logits)
+            logits = logits.masked_fill(~grammar_mask, float("-inf"))
         if any(len(r.output_token_ids) < r.params.min_tokens for r in requests):
+            constrained = logits
             logits = apply_min_tokens(logits, requests)
+            if grammar_mask is not None:
+                # where the grammar allows only stop tokens, it wins over min_tokens
+                dead = ~torch.isfinite(logits).any(dim=-1, keepdim=True)
+                logits = torch.where(dead, constrained, logits)
         if any(
             p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params
         ):
@@ -246,20 +278,52 @@ class Sampler:
 
         token_ids = logits.argmax(dim=-1)  # greedy; ties go to the lowest token id
         is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+        processed = logits
         if not is_greedy.all():
-            sampled = self._sample(logits, requests, is_greedy)
+            sampled, sample_logits = self._sample(logits, requests, is_greedy)
             token_ids = torch.where(is_greedy, token_ids, sampled)
+            processed = torch.where(is_greedy[:, None], logits, sample_logits)
+        if mode == "processed_logprobs":
+            reported = processed.log_softmax(dim=-1)
+        elif mode == "processed_logits":
+            reported = processed
 
         return SamplerOutput(
             token_ids=token_ids.tolist(),
-            logprobs=raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1).tolist(),
-            top_logprobs=top_logprobs(raw_logprobs, [p.logprobs for p in params]),
+            logprobs=reported.gather(-1, token_ids[:, None]).squeeze(-1).tolist(),
+            top_logprobs=top_logprobs(reported, [p.logprobs for p in params]),
         )
+
+    def grammar_masks(
+        self, requests: Sequence[SamplingState], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """[num_rows, vocab_size] bool: the tokens each row's grammar allows next (all tokens
+        in rows without structured_outputs). Stop tokens are allowed in accepting states."""
+        manager = self.structured_output_manager
+        vocab_size = logits.shape[-1]
+        rows = []
+        for request in requests:
+            constraint = request.params.structured_outputs
+            if constraint is None:
+                rows.append(torch.ones(vocab_size, dtype=torch.bool))
+                continue
+            if manager is None or request.request_id is None:
+                raise ValueError(
+                    "structured_outputs needs a Sampler with a structured_output_manager and "
+                    "rows with a request_id"
+                )
+            stop_ids = [*request.eos_token_ids, *request.params.stop_token_ids]
+            mask = manager.allowed_mask(
+                request.request_id, constraint.pattern, request.output_token_ids, stop_ids
+            )
+            rows.append(mask[:vocab_size])
+        return torch.stack(rows).to(logits.device)
 
     def _sample(
         self, logits: torch.Tensor, requests: Sequence[SamplingState], is_greedy: torch.Tensor
-    ) -> torch.Tensor:
-        """Temperature, the filters that some row asks for, then one random draw per row."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperature, the filters that some row asks for, then one random draw per row.
+        Returns the tokens and the processed logits they were drawn from."""
         params = [request.params for request in requests]
         temperature = self._column(params, "temperature", logits)
         # greedy rows' draws are discarded; T = 1 just keeps their arithmetic finite
@@ -271,7 +335,7 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             logits = apply_min_p(logits, self._column(params, "min_p", logits))
         generators = [request.generator for request in requests]
-        return random_sample(logits.softmax(dim=-1), generators, self.generator)
+        return random_sample(logits.softmax(dim=-1), generators, self.generator), logits
 
     @staticmethod
     def _column(

@@ -329,6 +329,9 @@ INVALID = {
     "ignore_eos": st.one_of(st.integers(), st.text(), st.none(), st.floats()),
     "include_stop_str_in_output": st.one_of(st.integers(), st.text(), st.none()),
     "skip_special_tokens": st.one_of(st.integers(), st.text(), st.none()),
+    "structured_outputs": st.one_of(
+        st.integers(), st.text(), st.dictionaries(st.text(max_size=3), st.text(max_size=3))
+    ),
     "stop": st.one_of(
         st.integers(),
         st.floats(),
