@@ -18,8 +18,9 @@ from minillm.core.kv_cache_manager import PREFIX_CACHING_ALGOS
 from minillm.core.scheduler import check_scheduler_options
 from minillm.distributed.parallel_state import ParallelConfig, max_world_size
 from minillm.model.config import ModelConfig
+from minillm.model.kv_cache_dtype import check_kv_cache_dtype, kv_cache_torch_dtype
 from minillm.model.loader import DEFAULT_MODEL
-from minillm.sampling_params import LOGPROBS_MODES, MAX_SEED, MIN_SEED
+from minillm.sampling_params import MAX_SEED, MIN_SEED
 from minillm.spec.config import SpeculativeConfig
 
 # max_model_len defaults to the model's limit, but at most this: a CPU pool for 40k-token
@@ -63,12 +64,16 @@ class EngineArgs:
     quantization: str | None = None
     quantization_group_size: int = 128  # int4: input channels per scale and zero point
     quantization_method: str = "rtn"  # how integer codes are chosen: "rtn", "gptq" or "awq"
-    # what logprobs report (vLLM's option): "raw_logprobs" (the model's, before any processing),
-    # "raw_logits", "processed_logprobs" or "processed_logits" (after masks, penalties,
-    # temperature and top-k/top-p/min-p: what the token is drawn from)
-    logprobs_mode: str = "raw_logprobs"
-    # constrained decoding: append the text a grammar forces without a forward per token
-    enable_jump_forward: bool = True
+    # the KV cache's storage (vLLM's CacheConfig.cache_dtype): "auto" is the model's dtype;
+    # "fp8_e4m3" (alias "fp8") one byte per element with per-layer k_scale and v_scale
+    # (minillm.model.kv_cache_dtype), on the torch attention backend
+    kv_cache_dtype: str = "auto"
+    # fp8 only: calibrate k_scale and v_scale on the first forward (vLLM's option), else 1.0
+    calculate_kv_scales: bool = False
+    # one prompt's logits bitwise the same alone or in any batch, at a cost in speed (what
+    # vLLM calls VLLM_BATCH_INVARIANT=1): fixed reduction order on the torch backend
+    # (minillm.model.batch_invariant)
+    batch_invariant: bool = False
     # model parallelism over worker processes the engine spawns (minillm.distributed)
     tensor_parallel_size: int = 1  # heads, MLP width and vocabulary split over this many ranks
     pipeline_parallel_size: int = 1  # layers split into this many stages
@@ -98,24 +103,10 @@ class EngineArgs:
             raise ValueError(f"seed must be an int in [{MIN_SEED}, {MAX_SEED}], got {self.seed!r}")
         if self.num_gpu_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give num_gpu_blocks or kv_cache_memory_bytes, not both")
+        _check_kv_cache_and_invariance(self)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(
-                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
-            )
-        if self.logprobs_mode != "raw_logprobs" and (
-            self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1
-        ):
-            raise ValueError(
-                f"logprobs_mode={self.logprobs_mode!r} runs on one process; it cannot be "
-                "combined with tensor_parallel_size or pipeline_parallel_size > 1"
-            )
-        if not isinstance(self.enable_jump_forward, bool):
-            raise ValueError(
-                f"enable_jump_forward must be True or False, got {self.enable_jump_forward!r}"
-            )
         if self.prefix_caching_algo not in PREFIX_CACHING_ALGOS:
             raise ValueError(
                 f"prefix_caching_algo must be one of {PREFIX_CACHING_ALGOS}, "
@@ -167,6 +158,10 @@ class EngineArgs:
             self.scheduling_policy,
             self.batching_type,
         )
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV-cache tensors are allocated in."""
+        return kv_cache_torch_dtype(self.kv_cache_dtype, model_dtype)
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
@@ -271,6 +266,30 @@ def device_free_bytes(device: torch.device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None  # not a POSIX system: no limit known
+
+
+def _check_kv_cache_and_invariance(args: EngineArgs) -> None:
+    """kv_cache_dtype, calculate_kv_scales and batch_invariant, and the backend they need."""
+    check_kv_cache_dtype(args.kv_cache_dtype)
+    for name in ("calculate_kv_scales", "batch_invariant"):
+        if not isinstance(getattr(args, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(args, name)!r}")
+    fp8 = args.kv_cache_dtype != "auto"
+    if args.calculate_kv_scales and not fp8:
+        raise ValueError("calculate_kv_scales applies only with kv_cache_dtype='fp8_e4m3'")
+    for name, on in (("kv_cache_dtype", fp8), ("batch_invariant", args.batch_invariant)):
+        if on and args.attention_backend not in (None, "torch"):
+            raise ValueError(
+                f"{name} runs on the torch attention backend, got "
+                f"attention_backend={args.attention_backend!r}"
+            )
+        if on and (args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1):
+            raise ValueError(
+                f"{name} runs on one process; it cannot be combined with "
+                "tensor_parallel_size or pipeline_parallel_size > 1"
+            )
+    if args.batch_invariant and args.quantization is not None:
+        raise ValueError("batch_invariant=True needs float weights; it cannot use quantization")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

@@ -42,7 +42,6 @@ from minillm.spec.spec_runner import (
     SpecDecodingStats,
     unsupported_with_spec_decode,
 )
-from minillm.structured.grammar import StructuredOutputManager
 from minillm.worker.cuda_graphs import CUDA_GRAPH_BACKENDS, CUDAGraphConfig
 from minillm.worker.model_runner import ModelRunner, profile_peak_bytes
 from minillm.worker.sampler import Sampler
@@ -61,12 +60,15 @@ class LLMEngine:
         device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         on_cuda = device.type == "cuda"
         backend = args.attention_backend or ("triton" if on_cuda else "torch")
+        if args.kv_cache_dtype != "auto" or args.batch_invariant:
+            backend = "torch"  # their only backend (EngineArgs refuses any other by name)
         parallel = args.parallel_config()
         distributed = parallel.world_size > 1
         # several ranks: the worker processes load the weights; this process schedules
         loaded = load_model(args.model, args.dtype, device, backend, weights=not distributed)
         if args.quantization is not None:
             quantize_loaded_model(loaded, args)
+        configure_attention(loaded.model, args)
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
@@ -75,7 +77,7 @@ class LLMEngine:
         self.max_model_len = args.resolve_max_model_len(self.config)
         spec_config = args.resolve_speculative_config(self.config, self.max_model_len)
         max_num_batched_tokens = args.resolve_max_num_batched_tokens(self.max_model_len)
-        dtype = torch_dtype(self.config.torch_dtype)
+        dtype = args.kv_cache_torch_dtype(torch_dtype(self.config.torch_dtype))
         block_bytes = kv_cache_block_bytes(self.config, args.block_size, dtype)
         available_bytes = None
         if (
@@ -103,11 +105,6 @@ class LLMEngine:
             batching_type=args.batching_type,
             num_lookahead_tokens=spec_config.num_speculative_tokens if spec_config else 0,
         )
-        # constrained decoding: the compiled grammars, and each request's place in its own
-        self.structured_output_manager = StructuredOutputManager(
-            self.tokenizer, self.config.vocab_size
-        )
-        self.enable_jump_forward = args.enable_jump_forward
         self.parallel_config = parallel
         self.executor: MultiprocExecutor | None = None
         if distributed:
@@ -129,11 +126,7 @@ class LLMEngine:
             )
             self.model_runner = self.executor
         else:
-            sampler = Sampler(
-                torch.Generator(self.device).manual_seed(args.seed),
-                self.structured_output_manager,
-                args.logprobs_mode,
-            )
+            sampler = Sampler(torch.Generator(self.device).manual_seed(args.seed))
             # decode steps replay CUDA graphs unless told not to or the backend cannot be captured
             use_graphs = on_cuda and not args.enforce_eager and backend in CUDA_GRAPH_BACKENDS
             self.model_runner = ModelRunner(
@@ -142,6 +135,7 @@ class LLMEngine:
                 num_blocks,
                 args.block_size,
                 CUDAGraphConfig(args.max_num_seqs, self.max_model_len) if use_graphs else None,
+                kv_cache_dtype=dtype,
             )
         # what runs each step: the model runner, or speculative decoding around it
         self.runner = self.model_runner
@@ -271,11 +265,6 @@ class LLMEngine:
             reason = unsupported_with_spec_decode(params)
             if reason is not None:
                 raise ValueError(reason)
-        if params.structured_outputs is not None and self.executor is not None:
-            raise ValueError(
-                "structured_outputs run on one process in minillm; this engine uses "
-                "tensor_parallel_size or pipeline_parallel_size > 1"
-            )
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(
                 f"n={params.n} completions cannot run together with "
@@ -295,8 +284,6 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.status = RequestStatus.FINISHED_ABORTED
         state.error = error
-        for seq in state.seqs:
-            self.structured_output_manager.free(seq.request_id)
         self.output_processor.report(state)
 
     def has_unfinished_requests(self) -> bool:
@@ -316,8 +303,6 @@ class LLMEngine:
             self.scheduler.requeue(plan)
             raise
         progressed = self.scheduler.update_from_output(plan, sampled)
-        if self.enable_jump_forward:
-            self._jump_forward(progressed)
         stopped, failed = self.output_processor.detokenize(progressed)
         for seq, message in failed:
             state = self.output_processor.state_of_seq.get(seq.request_id)
@@ -331,36 +316,7 @@ class LLMEngine:
                     [seq.request_id], RequestStatus.FINISHED_STOPPED, stop_str
                 )
         self.stats.record_step(plan, self.scheduler, self.kv_cache_manager)
-        for seq in progressed:
-            if seq.is_finished:
-                self.structured_output_manager.free(seq.request_id)
         return self.output_processor.make_outputs(progressed)
-
-    def _jump_forward(self, progressed: list) -> None:
-        """Jump-forward decoding: where a constrained request's grammar forces the next text,
-        append its tokens now. The next step computes them in one forward, as a chunk, and
-        samples after the last of them: no forward per forced token.
-
-        Not for requests that asked for logprobs (a forced token has no sampled logprob), and
-        never up to max_tokens or max_model_len: the model still samples the token after.
-        """
-        manager = self.structured_output_manager
-        for seq in progressed:
-            params = seq.sampling_params
-            if seq.is_finished or params.structured_outputs is None or params.logprobs is not None:
-                continue
-            room = self.max_model_len - seq.num_tokens - 1
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - seq.num_output_tokens - 1)
-            tokens = manager.jump_forward_tokens(
-                seq.request_id,
-                params.structured_outputs.pattern,
-                seq.output_token_ids,
-                [*seq.eos_token_ids, *params.stop_token_ids],
-                room,
-            )
-            for token_id in tokens:
-                seq.append_output_token(token_id, None)
 
     def shutdown(self) -> None:
         """Stop the worker processes of a multi-process engine (nothing to do otherwise)."""
@@ -434,6 +390,20 @@ def quantize_loaded_model(loaded, args: EngineArgs) -> None:
     )
     if loaded.model.lm_head.weight.is_cuda:
         torch.cuda.empty_cache()
+
+
+def configure_attention(model, args: EngineArgs) -> None:
+    """The options that change how attention runs: FP8 KV-cache scales to calibrate on the
+    first forward (`calculate_kv_scales`) and batch-invariant execution."""
+    if model is None:
+        return
+    if args.calculate_kv_scales:
+        for layer in model.model.layers:
+            layer.self_attn.backend.calculate_kv_scales = True
+    if args.batch_invariant:
+        from minillm.model.batch_invariant import enable_batch_invariant
+
+        enable_batch_invariant(model)
 
 
 def gpu_kv_cache_bytes(model, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from minillm.model.kv_cache_dtype import calibrated_scales, is_fp8, quantize_kv, read_kv
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -38,14 +40,24 @@ class AttentionMetadata:
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store the new tokens' keys and values in their cache slots.
 
     k, v: [num_tokens, num_kv_heads, head_dim]; kv_cache_layer: [2, num_blocks, block_size,
-    num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64.
+    num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64. An FP8 cache stores
+    quantize_kv(k, k_scale) and quantize_kv(v, v_scale) (`minillm.model.kv_cache_dtype`).
     """
     _, _, _, num_kv_heads, head_dim = kv_cache_layer.shape
+    if is_fp8(kv_cache_layer):
+        # index_copy_ has no float8 kernel on the CPU: copy the codes' bytes
+        k, v = quantize_kv(k, k_scale).view(torch.uint8), quantize_kv(v, v_scale).view(torch.uint8)
+        kv_cache_layer = kv_cache_layer.view(torch.uint8)
     # A slot indexes the (num_blocks * block_size) token rows of the cache, block-major.
     key_rows = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)
     value_rows = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)
@@ -54,7 +66,12 @@ def write_kv_cache(
 
 
 def torch_paged_attention(
-    q: torch.Tensor, kv_cache_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached context.
 
@@ -62,7 +79,8 @@ def torch_paged_attention(
     Query j of a sequence with q_len new tokens and seq_len context sits at position
     seq_len - q_len + j and sees context positions 0 .. seq_len - q_len + j.
     Decode sequences (one new token each) are attended together in one batched call;
-    sequences with several new tokens (prefill chunks) one at a time.
+    sequences with several new tokens (prefill chunks) one at a time. An FP8 cache is read
+    back as codes * k_scale (keys) and codes * v_scale (values).
     """
     out = torch.empty_like(q)
     q_lens = meta.query_start_loc.diff()
@@ -76,13 +94,22 @@ def torch_paged_attention(
             meta.seq_lens[decode_seqs],
             meta.block_size,
             scale,
+            k_scale,
+            v_scale,
         )
     query_start_loc = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     for i in (q_lens > 1).nonzero().flatten().tolist():
         start, end = query_start_loc[i], query_start_loc[i + 1]
         out[start:end] = prefill_attention(
-            q[start:end], kv_cache_layer, meta.block_tables[i], seq_lens[i], meta.block_size, scale
+            q[start:end],
+            kv_cache_layer,
+            meta.block_tables[i],
+            seq_lens[i],
+            meta.block_size,
+            scale,
+            k_scale,
+            v_scale,
         )
     return out
 
@@ -94,6 +121,8 @@ def prefill_attention(
     seq_len: int,
     block_size: int,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One sequence's q_len new queries over its seq_len cached tokens, causally.
 
@@ -105,8 +134,8 @@ def prefill_attention(
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].long()
     # gather: [num_blocks, block_size, kv_heads, d] -> [seq_len, kv_heads, d]
-    k = kv_cache_layer[0, blocks].flatten(0, 1)[:seq_len].float()
-    v = kv_cache_layer[1, blocks].flatten(0, 1)[:seq_len].float()
+    k = read_kv(kv_cache_layer[0, blocks].flatten(0, 1)[:seq_len], k_scale)
+    v = read_kv(kv_cache_layer[1, blocks].flatten(0, 1)[:seq_len], v_scale)
     # grouped-query attention: query head h reads kv head h // (num_heads / num_kv_heads)
     k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
     v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
@@ -125,6 +154,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query per sequence over its whole context, for all sequences at once.
 
@@ -141,8 +172,8 @@ def paged_decode_attention(
     # slot of every (sequence, position) through the block table: [num_seqs, max_seq_len]
     blocks = block_tables.long().gather(1, clamped // block_size)
     slots = blocks * block_size + clamped % block_size
-    k = gather_slots(kv_cache_layer[0], slots).transpose(1, 2).float()
-    v = gather_slots(kv_cache_layer[1], slots).transpose(1, 2).float()
+    k = read_kv(gather_slots(kv_cache_layer[0], slots), k_scale).transpose(1, 2)
+    v = read_kv(gather_slots(kv_cache_layer[1], slots), v_scale).transpose(1, 2)
     valid = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
         q[:, :, None, :].float(), k, v, attn_mask=valid, scale=scale, enable_gqa=True
@@ -180,7 +211,19 @@ class AttentionBackend(ABC):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """The reference backend: `write_kv_cache` then `torch_paged_attention`."""
+    """The reference backend: `write_kv_cache` then `torch_paged_attention`.
+
+    Each layer has its own instance, which holds the layer's FP8 KV-cache scales (k_scale,
+    v_scale: 1.0 unless `calculate_kv_scales` calibrates them on the first forward) and the
+    batch-invariant switch (`minillm.model.batch_invariant`): with it, every query token
+    attends alone, over exactly its visible keys (`batch_invariant_attention`).
+    """
+
+    def __init__(self) -> None:
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.calculate_kv_scales = False  # True: set the scales from the next forward's k, v
+        self.batch_invariant = False
 
     def forward(
         self,
@@ -191,8 +234,55 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping)
-        return torch_paged_attention(q, kv_cache_layer, meta, scale)
+        if self.calculate_kv_scales and is_fp8(kv_cache_layer):
+            self.k_scale, self.v_scale = calibrated_scales(k, v)
+            self.calculate_kv_scales = False
+        write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping, self.k_scale, self.v_scale)
+        attend = batch_invariant_attention if self.batch_invariant else torch_paged_attention
+        return attend(q, kv_cache_layer, meta, scale, self.k_scale, self.v_scale)
+
+
+def batch_invariant_attention(
+    q: torch.Tensor,
+    kv_cache_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """Attention in which each query token's result does not depend on the batch around it.
+
+    Every query token is computed alone: its scores against exactly the keys it sees
+    (positions 0 .. p, gathered through its block table), a softmax over those p + 1 scores
+    and the weighted sum of the p + 1 values, in float32. The shapes of these operations,
+    hence the order of every reduction, depend only on p, never on the other sequences of
+    the batch, on how many new tokens the sequence brings in this step (the chunk size), or
+    on padding. Slow (a loop over tokens): the mode is for reproducibility, not speed.
+    """
+    out = torch.empty_like(q)
+    num_heads = q.shape[1]
+    num_kv_heads = kv_cache_layer.shape[3]
+    group = num_heads // num_kv_heads
+    block_size = meta.block_size
+    query_start_loc = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    for i in range(meta.num_seqs):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        seq_len = seq_lens[i]
+        positions = torch.arange(seq_len, device=q.device)
+        slots = meta.block_tables[i].long()[positions // block_size] * block_size
+        slots = slots + positions % block_size
+        keys = read_kv(gather_slots(kv_cache_layer[0], slots), k_scale)  # [seq_len, kv_heads, d]
+        values = read_kv(gather_slots(kv_cache_layer[1], slots), v_scale)
+        first_pos = seq_len - (end - start)
+        for j in range(end - start):
+            n = first_pos + j + 1  # keys 0 .. position
+            qj = q[start + j].float().view(num_kv_heads, group, -1)  # [kv_heads, group, d]
+            k_seen = keys[:n].transpose(0, 1)  # [kv_heads, n, d]
+            v_seen = values[:n].transpose(0, 1)
+            probs = (torch.bmm(qj, k_seen.transpose(1, 2)) * scale).softmax(dim=-1)
+            out[start + j] = torch.bmm(probs, v_seen).reshape(num_heads, -1).to(q.dtype)
+    return out
 
 
 # name -> "module:ClassName", imported on first use so that a backend's dependencies

@@ -114,6 +114,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         cuda_graphs: CUDAGraphConfig | None = None,
+        kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype
     ) -> None:
         self.model = model
         self.sampler = sampler
@@ -123,7 +124,7 @@ class ModelRunner:
         self.dtype = weight.dtype
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(
-            model.config, num_blocks, block_size, weight.dtype, self.device
+            model.config, num_blocks, block_size, kv_cache_dtype or weight.dtype, self.device
         )
         self.cuda_graph_runner = (
             None
@@ -180,7 +181,6 @@ class ModelRunner:
                 output_token_ids=seq.output_token_ids,
                 generator=self._generator(seq),
                 eos_token_ids=seq.eos_token_ids,
-                request_id=seq.request_id,
             )
             for seq in seqs
         ]
