@@ -20,7 +20,7 @@ from minillm.distributed.parallel_state import ParallelConfig, max_world_size
 from minillm.model.config import ModelConfig
 from minillm.model.kv_cache_dtype import check_kv_cache_dtype, kv_cache_torch_dtype
 from minillm.model.loader import DEFAULT_MODEL
-from minillm.sampling_params import MAX_SEED, MIN_SEED
+from minillm.sampling_params import LOGPROBS_MODES, MAX_SEED, MIN_SEED
 from minillm.spec.config import SpeculativeConfig
 
 # max_model_len defaults to the model's limit, but at most this: a CPU pool for 40k-token
@@ -74,6 +74,12 @@ class EngineArgs:
     # vLLM calls VLLM_BATCH_INVARIANT=1): fixed reduction order on the torch backend
     # (minillm.model.batch_invariant)
     batch_invariant: bool = False
+    # what logprobs report (vLLM's option): "raw_logprobs" (the model's, before any processing),
+    # "raw_logits", "processed_logprobs" or "processed_logits" (after masks, penalties,
+    # temperature and top-k/top-p/min-p: what the token is drawn from)
+    logprobs_mode: str = "raw_logprobs"
+    # constrained decoding: append the text a grammar forces without a forward per token
+    enable_jump_forward: bool = True
     # model parallelism over worker processes the engine spawns (minillm.distributed)
     tensor_parallel_size: int = 1  # heads, MLP width and vocabulary split over this many ranks
     pipeline_parallel_size: int = 1  # layers split into this many stages
@@ -107,6 +113,21 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
+            )
+        if self.logprobs_mode != "raw_logprobs" and (
+            self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1
+        ):
+            raise ValueError(
+                f"logprobs_mode={self.logprobs_mode!r} runs on one process; it cannot be "
+                "combined with tensor_parallel_size or pipeline_parallel_size > 1"
+            )
+        if not isinstance(self.enable_jump_forward, bool):
+            raise ValueError(
+                f"enable_jump_forward must be True or False, got {self.enable_jump_forward!r}"
+            )
         if self.prefix_caching_algo not in PREFIX_CACHING_ALGOS:
             raise ValueError(
                 f"prefix_caching_algo must be one of {PREFIX_CACHING_ALGOS}, "

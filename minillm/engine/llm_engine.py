@@ -42,6 +42,7 @@ from minillm.spec.spec_runner import (
     SpecDecodingStats,
     unsupported_with_spec_decode,
 )
+from minillm.structured.grammar import StructuredOutputManager
 from minillm.worker.cuda_graphs import CUDA_GRAPH_BACKENDS, CUDAGraphConfig
 from minillm.worker.model_runner import ModelRunner, profile_peak_bytes
 from minillm.worker.sampler import Sampler
@@ -105,6 +106,11 @@ class LLMEngine:
             batching_type=args.batching_type,
             num_lookahead_tokens=spec_config.num_speculative_tokens if spec_config else 0,
         )
+        # constrained decoding: the compiled grammars, and each request's place in its own
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer, self.config.vocab_size
+        )
+        self.enable_jump_forward = args.enable_jump_forward
         self.parallel_config = parallel
         self.executor: MultiprocExecutor | None = None
         if distributed:
@@ -126,7 +132,11 @@ class LLMEngine:
             )
             self.model_runner = self.executor
         else:
-            sampler = Sampler(torch.Generator(self.device).manual_seed(args.seed))
+            sampler = Sampler(
+                torch.Generator(self.device).manual_seed(args.seed),
+                self.structured_output_manager,
+                args.logprobs_mode,
+            )
             # decode steps replay CUDA graphs unless told not to or the backend cannot be captured
             use_graphs = on_cuda and not args.enforce_eager and backend in CUDA_GRAPH_BACKENDS
             self.model_runner = ModelRunner(
@@ -265,6 +275,11 @@ class LLMEngine:
             reason = unsupported_with_spec_decode(params)
             if reason is not None:
                 raise ValueError(reason)
+        if params.structured_outputs is not None and self.executor is not None:
+            raise ValueError(
+                "structured_outputs run on one process in minillm; this engine uses "
+                "tensor_parallel_size or pipeline_parallel_size > 1"
+            )
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(
                 f"n={params.n} completions cannot run together with "
@@ -284,6 +299,8 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.status = RequestStatus.FINISHED_ABORTED
         state.error = error
+        for seq in state.seqs:
+            self.structured_output_manager.free(seq.request_id)
         self.output_processor.report(state)
 
     def has_unfinished_requests(self) -> bool:
@@ -303,6 +320,8 @@ class LLMEngine:
             self.scheduler.requeue(plan)
             raise
         progressed = self.scheduler.update_from_output(plan, sampled)
+        if self.enable_jump_forward:
+            self._jump_forward(progressed)
         stopped, failed = self.output_processor.detokenize(progressed)
         for seq, message in failed:
             state = self.output_processor.state_of_seq.get(seq.request_id)
@@ -316,7 +335,36 @@ class LLMEngine:
                     [seq.request_id], RequestStatus.FINISHED_STOPPED, stop_str
                 )
         self.stats.record_step(plan, self.scheduler, self.kv_cache_manager)
+        for seq in progressed:
+            if seq.is_finished:
+                self.structured_output_manager.free(seq.request_id)
         return self.output_processor.make_outputs(progressed)
+
+    def _jump_forward(self, progressed: list) -> None:
+        """Jump-forward decoding: where a constrained request's grammar forces the next text,
+        append its tokens now. The next step computes them in one forward, as a chunk, and
+        samples after the last of them: no forward per forced token.
+
+        Not for requests that asked for logprobs (a forced token has no sampled logprob), and
+        never up to max_tokens or max_model_len: the model still samples the token after.
+        """
+        manager = self.structured_output_manager
+        for seq in progressed:
+            params = seq.sampling_params
+            if seq.is_finished or params.structured_outputs is None or params.logprobs is not None:
+                continue
+            room = self.max_model_len - seq.num_tokens - 1
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+            tokens = manager.jump_forward_tokens(
+                seq.request_id,
+                params.structured_outputs.pattern,
+                seq.output_token_ids,
+                [*seq.eos_token_ids, *params.stop_token_ids],
+                room,
+            )
+            for token_id in tokens:
+                seq.append_output_token(token_id, None)
 
     def shutdown(self) -> None:
         """Stop the worker processes of a multi-process engine (nothing to do otherwise)."""

@@ -181,6 +181,7 @@ class ModelRunner:
                 output_token_ids=seq.output_token_ids,
                 generator=self._generator(seq),
                 eos_token_ids=seq.eos_token_ids,
+                request_id=seq.request_id,
             )
             for seq in seqs
         ]
