@@ -83,18 +83,43 @@ class ParallelConfig:
                     f"tensor_parallel_size={tp} and num_key_value_heads ({kv}) must divide one "
                     "another: each rank holds whole KV heads, or shares one with its neighbours"
                 )
-            intermediate = getattr(config, "moe_intermediate_size", 0) or config.intermediate_size
-            if config.intermediate_size % tp or intermediate % tp:
+            if config.intermediate_size % tp:
                 raise ValueError(
                     f"tensor_parallel_size={tp} must divide intermediate_size "
                     f"({config.intermediate_size})"
                 )
+            self._check_experts(config)
         pp = self.pipeline_parallel_size
         if pp > config.num_hidden_layers:
             raise ValueError(
                 f"pipeline_parallel_size={pp} is more stages than the model's "
                 f"{config.num_hidden_layers} layers"
             )
+
+    def _check_experts(self, config: ModelConfig) -> None:
+        """Experts spread whole need p | num_experts; experts cut in width need p | their
+        widths."""
+        tp = self.tensor_parallel_size
+        if self.enable_expert_parallel:
+            if not config.is_moe:
+                raise ValueError(
+                    "enable_expert_parallel needs a mixture-of-experts model; "
+                    f"{config.architecture} has no experts"
+                )
+            if config.num_experts % tp:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} (the expert-parallel size) must divide "
+                    f"num_experts ({config.num_experts})"
+                )
+            return
+        if not config.is_moe:
+            return
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(config, name) % tp:
+                raise ValueError(
+                    f"tensor_parallel_size={tp} must divide {name} ({getattr(config, name)}); "
+                    "or spread whole experts over the ranks with enable_expert_parallel=True"
+                )
 
 
 def max_world_size(device_type: str) -> int:

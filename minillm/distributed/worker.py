@@ -31,6 +31,7 @@ from minillm.distributed.parallel_state import (
 from minillm.distributed.pipeline import StageTiming, make_stage, run_stage, split_micro_batches
 from minillm.distributed.tensor_parallel import shard_model
 from minillm.model.loader import load_model
+from minillm.model.moe import routing_recorder
 from minillm.outputs import SampledToken
 from minillm.worker.model_runner import ModelRunner, prepare_inputs
 from minillm.worker.sampler import Sampler
@@ -57,14 +58,16 @@ class WorkerSpec:
 
 @dataclasses.dataclass(slots=True)
 class StepRecord:
-    """What one rank did in one step: tokens, collectives (calls and bytes), and for a
-    pipeline stage its timing."""
+    """What one rank did in one step: tokens, collectives (calls and bytes), for a
+    pipeline stage its timing, and for a mixture-of-experts model the tokens routed to each
+    expert of each of its MoE layers ({layer: [count per expert]})."""
 
     step: int
     num_tokens: int
     num_sampled: int
     collectives: CollectiveCounts
     timing: StageTiming | None = None
+    expert_load: dict[int, list[int]] | None = None
 
 
 class Worker:
@@ -78,7 +81,7 @@ class Worker:
         loaded = load_model(spec.model, spec.dtype, device, spec.attention_backend)
         model = loaded.model
         if parallel.tensor_parallel_size > 1:
-            model = shard_model(model, rank, self.comm)
+            model = shard_model(model, rank, self.comm, parallel.enable_expert_parallel)
             del loaded
         else:
             model = make_stage(model, rank, parallel.pipeline_parallel_size)
@@ -86,6 +89,7 @@ class Worker:
         generator = torch.Generator(device).manual_seed(spec.seed)
         self.runner = ModelRunner(model, Sampler(generator), spec.num_blocks, spec.block_size)
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=STEP_RECORDS)
+        self.routing = model.model.routing  # None for a dense model
 
     @torch.inference_mode()
     def execute_model(self, plan: SchedulerOutput) -> dict[str, SampledToken] | None:
@@ -99,6 +103,8 @@ class Worker:
         if not scheduled:
             return {} if self.is_driver else None
         rows = [chunk.sampling_seqs for chunk in scheduled if chunk.samples]
+        if self.routing is not None:
+            self.routing.reset_load()
         timing = None
         if self.spec.parallel.pipeline_parallel_size > 1:
             micro_batches = split_micro_batches(scheduled, self.spec.num_micro_batches)
@@ -115,6 +121,7 @@ class Worker:
                 len(rows),
                 self.comm.counts,
                 timing,
+                None if self.routing is None else self.routing.load_lists(),
             )
         )
         if not self.is_driver:
@@ -126,6 +133,13 @@ class Worker:
 
     def clear_step_records(self) -> None:
         self.records.clear()
+
+    def routing_call(self, method: str, *args):
+        """A RoutingRecorder method on this rank's model: start_record, stop_record,
+        start_replay, stop_replay."""
+        if method not in ("start_record", "stop_record", "start_replay", "stop_replay"):
+            raise ValueError(f"unknown routing method {method!r}")
+        return getattr(routing_recorder(self.runner.model), method)(*args)
 
     def kv_cache_heads(self) -> int:
         """KV heads this rank's cache holds per layer."""

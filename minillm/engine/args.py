@@ -85,6 +85,9 @@ class EngineArgs:
     pipeline_parallel_size: int = 1  # layers split into this many stages
     # micro-batches a step's batch is cut into for the pipeline; None: pipeline_parallel_size
     pipeline_micro_batches: int | None = None
+    # a mixture-of-experts model's experts spread whole over the tensor-parallel ranks, tokens
+    # sent to them with all-to-all (vLLM's option; minillm.distributed.expert_parallel)
+    enable_expert_parallel: bool = False
     # speculative decoding, vLLM's dict: {"method": "draft_model" | "ngram", "model": ...,
     # "num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...}
     speculative_config: dict | SpeculativeConfig | None = None
@@ -185,7 +188,9 @@ class EngineArgs:
         return kv_cache_torch_dtype(self.kv_cache_dtype, model_dtype)
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+        return ParallelConfig(
+            self.tensor_parallel_size, self.pipeline_parallel_size, self.enable_expert_parallel
+        )
 
     def device_type(self) -> str:
         """ "cuda" or "cpu" (or what `device` names): where the engine will run."""

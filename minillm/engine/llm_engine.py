@@ -14,6 +14,7 @@ request aborts that request, reports it with its error, and serves the others.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Mapping
 
@@ -35,6 +36,7 @@ from minillm.engine.metrics import EngineStats
 from minillm.engine.output_processor import OutputProcessor
 from minillm.model.config import torch_dtype
 from minillm.model.loader import load_model, resolve_device
+from minillm.model.moe import require_moe, routing_recorder
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
 from minillm.spec.spec_runner import (
@@ -393,6 +395,56 @@ class LLMEngine:
     def clear_parallel_stats(self) -> None:
         if self.executor is not None:
             self.executor.call("clear_step_records")
+        elif self.config.is_moe:
+            routing_recorder(self.model_runner.model).reset_load()
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert of every MoE layer, {layer: [count per expert]}
+        (k per token and layer), since the last clear_parallel_stats; ValueError for a model
+        without experts. With worker processes, the sum of their step records
+        (collective_stats()[i].expert_load has each step's)."""
+        if self.executor is None:
+            return routing_recorder(self.model_runner.model).load_lists()
+        if not self.config.is_moe:
+            require_moe(self.config)
+        total: dict[int, list[int]] = {}
+        for records in self.executor.call("step_records"):  # ranks: the same layers or others
+            rank_total: dict[int, list[int]] = {}
+            for record in records:
+                for layer, counts in (record.expert_load or {}).items():
+                    old = rank_total.get(layer, [0] * len(counts))
+                    rank_total[layer] = [a + b for a, b in zip(old, counts, strict=True)]
+            for layer, counts in rank_total.items():
+                total.setdefault(layer, counts)
+        return dict(sorted(total.items()))
+
+    def start_routing_record(self) -> None:
+        """Record the experts every token is routed to, per forward pass and MoE layer."""
+        self._routing("start_record")
+
+    def stop_routing_record(self) -> list[dict[int, torch.Tensor]]:
+        """Stop recording; the routes: one {layer: expert ids [num_tokens, k]} per pass."""
+        traces = self._routing("stop_record")
+        # pipeline stages each hold their own layers of the same passes: merge them
+        return [dict(collections.ChainMap(*passes)) for passes in zip(*traces, strict=True)]
+
+    def start_routing_replay(self, trace: list[dict[int, torch.Tensor]]) -> None:
+        """Route every token of the following passes to the experts `trace` recorded (the
+        router's probabilities still weight them): a run of the same requests with the same
+        options repeats the recorded routes exactly, whatever the routers compute now."""
+        self._routing("start_replay", trace)
+
+    def stop_routing_replay(self) -> int:
+        """Route with the routers again; the number of passes replayed."""
+        return self._routing("stop_replay")[0]
+
+    def _routing(self, method: str, *args) -> list:
+        """A RoutingRecorder method on the model of every rank; their results."""
+        if self.executor is None:
+            return [getattr(routing_recorder(self.model_runner.model), method)(*args)]
+        if not self.config.is_moe:
+            require_moe(self.config)
+        return self.executor.call("routing_call", method, *args)
 
     def _run_one_by_one(self, plan: SchedulerOutput, batch_error: Exception) -> dict:
         """The batch failed: run each scheduled request alone to find the ones it fails on.

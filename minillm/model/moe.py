@@ -105,7 +105,10 @@ class RoutingRecorder:
     With `replay` set to such a trace, pass i uses the recorded ids of pass i instead of the
     router's top-k (the weights are still the router's probabilities of those experts), so a
     replay needs the same schedule: the same requests, options and order. A pass whose token
-    count differs from the recorded one raises ValueError."""
+    count differs from the recorded one raises ValueError.
+
+    A forward pass captured in a CUDA graph is not watched (the routers run as plain code in
+    the graph); run with enforce_eager=True to count or replay every decode step on a GPU."""
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
@@ -181,7 +184,7 @@ class RoutingRecorder:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
         else:
             weights, ids = select_experts(router_logits, top_k, renormalize)
-        counts = torch.bincount(ids.flatten().cpu(), minlength=self.num_experts)
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts)  # on the device
         self.load[layer] = self.load.get(layer, torch.zeros_like(counts)) + counts
         if self._pass is not None:
             self._pass[layer] = ids.cpu().clone()
@@ -223,7 +226,8 @@ class SparseMoeBlock(nn.Module):
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         router_logits = self.gate(x)
-        if self.recorder is None:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.recorder is None or capturing:
             weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         else:
             weights, ids = self.recorder.route(
@@ -266,12 +270,16 @@ def attach_recorder(model: nn.Module) -> RoutingRecorder | None:
     return recorder
 
 
+def require_moe(config: ModelConfig) -> None:
+    """ValueError unless the model has experts."""
+    if not config.is_moe:
+        raise ValueError(
+            f"{config.architecture} has no mixture-of-experts layers: expert load and routing "
+            "replay need a Mixtral, Qwen2-MoE or Qwen3-MoE model"
+        )
+
+
 def routing_recorder(model: nn.Module) -> RoutingRecorder:
     """The model's RoutingRecorder; ValueError for a model without experts."""
-    for module in model.modules():
-        if isinstance(module, SparseMoeBlock):
-            return module.recorder
-    raise ValueError(
-        "the model has no mixture-of-experts layers: expert load and routing replay need a "
-        "Mixtral, Qwen2-MoE or Qwen3-MoE model"
-    )
+    require_moe(model.config)
+    return model.model.routing

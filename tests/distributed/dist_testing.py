@@ -117,3 +117,24 @@ def sharded_causal_logits(rank: int, checkpoints: list[str], token_ids: torch.Te
         with torch.no_grad():
             logits.append(shard.forward_causal(token_ids))
     return logits
+
+
+def moe_sharded_causal_logits(rank: int, checkpoints: list[str], token_ids: torch.Tensor) -> list:
+    """Each MoE checkpoint cut to this rank's shard, experts cut in width (tensor parallel)
+    and spread whole (expert parallel), run causally: [(logits, collective calls)] per
+    checkpoint and mode."""
+    from minillm.distributed.parallel_state import Communicator
+    from minillm.distributed.tensor_parallel import shard_model
+    from minillm.model.loader import load_model
+
+    results = []
+    for path in checkpoints:
+        for expert_parallel in (False, True):
+            comm = Communicator(rank, 2)
+            full = load_model(path, "float32").model
+            shard = shard_model(full, rank, comm, expert_parallel)
+            experts = sorted(int(e) for e in shard.model.layers[0].mlp.experts)
+            with torch.no_grad():
+                logits = shard.forward_causal(token_ids)
+            results.append((logits, dict(comm.counts.calls), experts))
+    return results
