@@ -25,10 +25,11 @@ from collections.abc import Iterator, Sequence
 from tqdm.auto import tqdm
 
 from minillm.engine.args import EngineArgs
+from minillm.engine.beam_search import BeamSearchOutput, beam_search
 from minillm.engine.llm_engine import LLMEngine, Prompt
 from minillm.model.tokenizer import Tokenizer
 from minillm.outputs import RequestOutput
-from minillm.sampling_params import SamplingParams
+from minillm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -96,6 +97,26 @@ class LLM:
             return self._run_until_finished(request_ids, use_tqdm)
         finally:
             self._abort_unfinished(request_ids)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's `LLM.beam_search`): the best
+        params.beam_width sequences of each, best first, as BeamSearchOutput.sequences (their
+        tokens include the prompt). Every beam is a request of one token sharing its parent's
+        blocks through prefix caching (`minillm.engine.beam_search`)."""
+        tokenizer = self.engine.tokenizer
+        token_prompts = []
+        for prompt in as_prompt_list(prompts):
+            _, ids = self.engine._tokenize(prompt)
+            token_prompts.append(ids)
+
+        def generate(batch: list[list[int]], sampling_params: SamplingParams):
+            return self.generate(batch, sampling_params, use_tqdm=use_tqdm)
+
+        return beam_search(
+            generate, token_prompts, params, tokenizer.eos_token_id, tokenizer.decode
+        )
 
     def _add_requests(
         self, prompts: list[Prompt], params_list: list[SamplingParams], priorities: list[int]
