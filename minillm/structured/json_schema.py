@@ -27,6 +27,12 @@ TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+\-]?[0-9]+)?"
+TYPE_KEYWORDS = {
+    "object": {"type", "properties", "required", "additionalProperties"},
+    "array": {"type", "items", "minItems", "maxItems"},
+    "string": {"type", "minLength", "maxLength"},
+    **{kind: {"type"} for kind in ("integer", "number", "boolean", "null")},
+}
 MAX_OPTIONAL_PROPERTIES = 8  # each optional property doubles the pattern of those after it
 
 
@@ -103,9 +109,21 @@ def _value(schema: object, where: str) -> str:
         return "(?:" + "|".join(alternatives) + ")"
     kind = schema.get("type")
     if isinstance(kind, list):
-        if not kind:
-            raise SchemaError(f"json schema {where}: type must not be an empty list")
-        return "(?:" + "|".join(_value({**schema, "type": k}, where) for k in kind) + ")"
+        if not kind or not all(k in TYPES for k in kind):
+            raise SchemaError(
+                f"json schema {where}: type must be one of {list(TYPES)} or a non-empty list "
+                f"of them, got {kind!r}"
+            )
+        _check_keys(schema, set().union(*(TYPE_KEYWORDS[k] for k in kind)), where)
+        # each keyword applies to its own type only (maxLength to the string, ...)
+        options = [
+            _value(
+                {**{key: v for key, v in schema.items() if key in TYPE_KEYWORDS[k]}, "type": k},
+                where,
+            )
+            for k in kind
+        ]
+        return "(?:" + "|".join(options) + ")"
     if kind not in TYPES:
         raise SchemaError(f"json schema {where}: type must be one of {list(TYPES)}, got {kind!r}")
     if kind == "object":
