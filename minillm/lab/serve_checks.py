@@ -1,0 +1,191 @@
+"""Checks of a live server's own numbers against each other and against its clients'.
+
+Two instruments for any server that exposes vLLM's Prometheus metrics (`minillm serve`,
+vLLM itself):
+
+- `percentile_agreement`: the client's TTFT (or E2EL) percentiles against the quantiles
+  `histogram_quantile` reads from the server's histogram over the same run. A histogram
+  only knows which bucket a value fell in, so the two agree when they differ by less than
+  the width of the bucket holding the server's estimate. The client's value is a little
+  larger by nature (it includes the HTTP round trip and the SSE parsing).
+- `littles_law`: L = λW on the server alone. L is the time average of the gauges
+  `num_requests_running + num_requests_waiting`, sampled while the load runs; λ is the rate
+  at which requests finished (the `request_success` counter), and W their mean time in the
+  server (the E2E histogram's sum over its count). In a steady state the two sides match;
+  the ratio says how far the run was from one (ramp-up, ramp-down, a short window).
+
+    before = scrape(url)
+    with InSystemSampler(url) as sampler:
+        result = loadgen.run(target, sessions, concurrency=4)
+    after = scrape(url)
+    percentile_agreement([r.ttft for r in ...], histogram_delta(before, after, TTFT))
+    littles_law(before, after, sampler.samples)
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from minillm.lab import serving_metrics as sm
+
+TTFT = "vllm:time_to_first_token_seconds"
+E2EL = "vllm:e2e_request_latency_seconds"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+SUCCESS = "vllm:request_success_total"
+
+# a scrape: every sample, as {(name, ((label, value), ...)): value}
+Scrape = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse_metrics(text: str) -> Scrape:
+    """Prometheus text format -> {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: Scrape = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def scrape(base_url: str, api_key: str | None = None, transport=None) -> Scrape:
+    """GET /metrics from a server and parse it."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=base_url.rstrip("/"), transport=transport, timeout=30) as client:
+        response = client.get("/metrics", headers=headers)
+    response.raise_for_status()
+    return parse_metrics(response.text)
+
+
+def total(samples: Scrape, name: str) -> float:
+    """A sample summed over all its label sets (every model, every finished_reason)."""
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def histogram_buckets(samples: Scrape, name: str) -> list[tuple[float, float]]:
+    """The histogram `name` as (le, cumulative count) pairs, summed over its label sets."""
+    counts: dict[float, float] = {}
+    for (n, labels), value in samples.items():
+        if n == f"{name}_bucket":
+            le = float(dict(labels)["le"])
+            counts[le] = counts.get(le, 0.0) + value
+    if not counts:
+        raise ValueError(f"the scrape has no histogram {name!r}")
+    return sorted(counts.items())
+
+
+def histogram_delta(before: Scrape, after: Scrape, name: str) -> list[tuple[float, float]]:
+    """What the histogram counted between two scrapes (the run's own observations)."""
+    has_before = any(n == f"{name}_bucket" for n, _ in before)
+    old = dict(histogram_buckets(before, name)) if has_before else {}
+    return [(le, count - old.get(le, 0.0)) for le, count in histogram_buckets(after, name)]
+
+
+def bucket_of(buckets: Sequence[tuple[float, float]], value: float) -> tuple[float, float]:
+    """(lower, upper) bounds of the bucket a value falls in (lower 0 for the first)."""
+    lower = 0.0
+    for le, _ in buckets:
+        if value <= le:
+            return lower, le
+        lower = le
+    return lower, math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    percentile: float
+    client_s: float  # nearest-rank percentile of the client's values
+    server_s: float  # histogram_quantile of the server's histogram
+    bucket_s: tuple[float, float]  # the bucket holding server_s
+    agree: bool  # |client - server| <= the bucket's width
+
+
+def percentile_agreement(
+    client_values_s: Sequence[float],
+    buckets: Sequence[tuple[float, float]],
+    percentiles: Sequence[float] = (50, 90, 99),
+) -> list[Agreement]:
+    """Compare a client's percentiles with the server histogram's quantiles (see the module
+    docstring). The histogram must count the same requests: take `histogram_delta` of
+    scrapes before and after the run."""
+    if not client_values_s:
+        raise ValueError("no client values")
+    out = []
+    for p in percentiles:
+        client = sm.percentile(client_values_s, p)
+        server = sm.histogram_quantile(p / 100, buckets)
+        lower, upper = bucket_of(buckets, server)
+        width = upper - lower
+        agree = abs(client - server) <= width
+        out.append(Agreement(p, client, server, (lower, upper), agree))
+    return out
+
+
+@dataclass
+class InSystemSampler:
+    """Polls a server's running and waiting gauges in a thread: (time, running + waiting)."""
+
+    base_url: str
+    period_s: float = 0.05
+    api_key: str | None = None
+    samples: list[tuple[float, float]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            s = scrape(self.base_url, self.api_key)
+            self.samples.append((time.perf_counter(), total(s, RUNNING) + total(s, WAITING)))
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> InSystemSampler:
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def time_average(samples: Sequence[tuple[float, float]]) -> float:
+    """The time average of a step function sampled at (t, value): each value holds until
+    the next sample."""
+    if len(samples) < 2:
+        raise ValueError("a time average needs at least two samples")
+    area = sum(v * (t1 - t0) for (t0, v), (t1, _) in zip(samples, samples[1:], strict=False))
+    return area / (samples[-1][0] - samples[0][0])
+
+
+def littles_law(before: Scrape, after: Scrape, in_system: Sequence[tuple[float, float]]) -> dict:
+    """L measured (the gauges' time average over the sampling window) beside λW (requests
+    finished per second of the window times their mean E2E latency, from the counters).
+
+    The window is the sampler's, from its first to its last sample; start it before the
+    load and stop it after the last response, so that every request counted lies inside."""
+    window_s = in_system[-1][0] - in_system[0][0]
+    finished = total(after, SUCCESS) - total(before, SUCCESS)
+    latency_sum = total(after, f"{E2EL}_sum") - total(before, f"{E2EL}_sum")
+    latency_count = total(after, f"{E2EL}_count") - total(before, f"{E2EL}_count")
+    if latency_count == 0:
+        raise ValueError("no request finished between the scrapes")
+    arrival_rate = finished / window_s
+    mean_latency_s = latency_sum / latency_count
+    measured = time_average(in_system)
+    predicted = arrival_rate * mean_latency_s
+    return {
+        "window_s": window_s,
+        "finished": finished,
+        "lambda_rps": arrival_rate,
+        "w_s": mean_latency_s,
+        "l_lambda_w": predicted,
+        "l_measured": measured,
+        "ratio": measured / predicted if predicted else math.nan,
+    }
