@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 import torch.multiprocessing as mp
 
 from minillm.core.scheduler import SchedulerOutput
+from minillm.distributed.disaggregation import DECODE_RANK, PREFILL_RANK, split_plan
 from minillm.distributed.worker import WorkerSpec, worker_main
 from minillm.outputs import SampledToken
 
@@ -46,7 +47,7 @@ class MultiprocExecutor:
         self.conns: list[Connection] = []
         self.is_shut_down = False
         self._answers: dict[int, object] = {}  # answers that came before they were awaited
-        for rank in range(spec.parallel.world_size):
+        for rank in range(spec.world_size):
             parent, child = context.Pipe()
             process = context.Process(
                 target=worker_main, args=(rank, spec, child), name=f"minillm-rank{rank}"
@@ -67,8 +68,24 @@ class MultiprocExecutor:
 
     def execute_model(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
         """Run one step on all ranks; the sampled token of every sampling sequence."""
+        if self.spec.kv_transfer is not None:
+            return self._execute_disaggregated(plan)
         self._broadcast("execute_model", plan)
         return self._receive(self.driver_rank, None)
+
+    def _execute_disaggregated(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
+        """Prefill chunks on the prefill rank, decode steps on the decode rank, at once; the
+        KV of each finished prefill moves between them at the end of the step."""
+        prefill, decode, transfers = split_plan(plan, self.spec.block_size)
+        for rank, part in ((PREFILL_RANK, prefill), (DECODE_RANK, decode)):
+            self._send(rank, pickle.dumps(("execute_model", (part, transfers))))
+        sampled = self._receive(PREFILL_RANK, None)
+        sampled.update(self._receive(DECODE_RANK, None))
+        return sampled
+
+    def kv_transfer_records(self) -> list:
+        """Prefill/decode disaggregation: every request's KV transfer (KVTransferRecord)."""
+        return self.call("kv_transfer_records")[PREFILL_RANK]
 
     def call(self, method: str, *args) -> list:
         """Run a `Worker` method on every rank; its results in rank order."""
@@ -79,11 +96,16 @@ class MultiprocExecutor:
         if self.is_shut_down:
             raise WorkerError("the engine's worker processes have been shut down")
         payload = pickle.dumps((command, args))
-        for rank, conn in enumerate(self.conns):
-            try:
-                conn.send_bytes(payload)
-            except OSError as error:
-                self._fail(f"rank {rank} cannot be reached ({error})")
+        for rank in range(len(self.conns)):
+            self._send(rank, payload)
+
+    def _send(self, rank: int, payload: bytes) -> None:
+        if self.is_shut_down:
+            raise WorkerError("the engine's worker processes have been shut down")
+        try:
+            self.conns[rank].send_bytes(payload)
+        except OSError as error:
+            self._fail(f"rank {rank} cannot be reached ({error})")
 
     def _receive(self, rank: int, timeout_s: float | None):
         """The answer of `rank`, while watching every process: a rank that reports an error

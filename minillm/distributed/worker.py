@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from minillm.core.scheduler import SchedulerOutput
+from minillm.distributed.disaggregation import DisaggregatedWorker, KVTransferConfig
 from minillm.distributed.parallel_state import (
     CollectiveCounts,
     Communicator,
@@ -54,6 +55,13 @@ class WorkerSpec:
     seed: int
     num_micro_batches: int  # pipeline parallelism: micro-batches per step (at most)
     port: int
+    # prefill/decode disaggregation: a prefill rank and a decode rank (minillm.distributed.
+    # disaggregation) instead of model parallelism
+    kv_transfer: KVTransferConfig | None = None
+
+    @property
+    def world_size(self) -> int:
+        return 2 if self.kv_transfer is not None else self.parallel.world_size
 
 
 @dataclasses.dataclass(slots=True)
@@ -149,12 +157,15 @@ class Worker:
 def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
     """The body of a worker process: build the rank's Worker, then serve commands."""
     try:
-        init_process_group(rank, spec.parallel.world_size, spec.port, spec.device_type)
+        init_process_group(rank, spec.world_size, spec.port, spec.device_type)
         if spec.device_type == "cuda":
             torch.cuda.set_device(rank)
         else:  # the ranks share the machine's cores instead of each taking all of them
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.parallel.world_size))
-        worker = Worker(rank, spec)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+        if spec.kv_transfer is not None:
+            worker = DisaggregatedWorker(rank, spec)
+        else:
+            worker = Worker(rank, spec)
         conn.send(("ready", None))
         while True:
             command, args = pickle.loads(conn.recv_bytes())

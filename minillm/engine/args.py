@@ -16,6 +16,7 @@ import torch
 
 from minillm.core.kv_cache_manager import PREFIX_CACHING_ALGOS
 from minillm.core.scheduler import check_scheduler_options
+from minillm.distributed.disaggregation import KVTransferConfig
 from minillm.distributed.parallel_state import ParallelConfig, max_world_size
 from minillm.model.config import ModelConfig
 from minillm.model.kv_cache_dtype import check_kv_cache_dtype, kv_cache_torch_dtype
@@ -88,6 +89,11 @@ class EngineArgs:
     # a mixture-of-experts model's experts spread whole over the tensor-parallel ranks, tokens
     # sent to them with all-to-all (vLLM's option; minillm.distributed.expert_parallel)
     enable_expert_parallel: bool = False
+    # prefill/decode disaggregation (vLLM's KVTransferConfig names): {"kv_connector":
+    # "TorchDistributedConnector"} runs prompts on a prefill process and decode steps on a
+    # decode process, moving each request's KV blocks between them; prefix caching is then off
+    # (minillm.distributed.disaggregation)
+    kv_transfer_config: dict | KVTransferConfig | None = None
     # speculative decoding, vLLM's dict: {"method": "draft_model" | "ngram", "model": ...,
     # "num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...}
     speculative_config: dict | SpeculativeConfig | None = None
@@ -161,6 +167,8 @@ class EngineArgs:
                 raise ValueError(
                     "pipeline_micro_batches applies only with pipeline_parallel_size > 1"
                 )
+        if self.kv_transfer_config is not None:
+            self._check_kv_transfer()
         if self.quantization is not None and self.parallel_config().world_size > 1:
             raise ValueError(
                 "quantization runs on one process; it cannot be combined with "
@@ -186,6 +194,25 @@ class EngineArgs:
     def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype the KV-cache tensors are allocated in."""
         return kv_cache_torch_dtype(self.kv_cache_dtype, model_dtype)
+
+    def _check_kv_transfer(self) -> None:
+        """Disaggregation: one prefill and one decode process, each with the whole model."""
+        self.kv_transfer_config = KVTransferConfig.from_value(self.kv_transfer_config)
+        if self.parallel_config().world_size > 1:
+            raise ValueError(
+                "kv_transfer_config runs one prefill and one decode process; it cannot be "
+                "combined with tensor_parallel_size or pipeline_parallel_size > 1"
+            )
+        for name in ("speculative_config", "quantization"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} cannot be combined with kv_transfer_config")
+        allowed = max_world_size(self.device_type())
+        if allowed < 2:
+            raise ValueError(
+                "kv_transfer_config needs 2 processes (prefill and decode), but this machine "
+                f"allows at most {allowed} on {self.device_type()}"
+            )
+        self.enable_prefix_caching = False  # a cached block may live on the other process
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(

@@ -66,7 +66,7 @@ class LLMEngine:
         if args.kv_cache_dtype != "auto" or args.batch_invariant:
             backend = "torch"  # their only backend (EngineArgs refuses any other by name)
         parallel = args.parallel_config()
-        distributed = parallel.world_size > 1
+        distributed = parallel.world_size > 1 or args.kv_transfer_config is not None
         # several ranks: the worker processes load the weights; this process schedules
         loaded = load_model(args.model, args.dtype, device, backend, weights=not distributed)
         if args.quantization is not None:
@@ -130,6 +130,7 @@ class LLMEngine:
                     num_micro_batches=args.pipeline_micro_batches
                     or parallel.pipeline_parallel_size,
                     port=free_port(),
+                    kv_transfer=args.kv_transfer_config,
                 )
             )
             self.model_runner = self.executor

@@ -1,0 +1,128 @@
+"""Prefill/decode disaggregation over two gloo ranks: the plan split by phase, greedy outputs
+equal to a colocated engine, KV transfer bytes against the cache's layout, the mixed-load
+latency measurement, bad options, and a decode rank that dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import types
+
+import pytest
+from conftest import GREEDY, PROMPTS
+
+from minillm import LLM
+from minillm.core.scheduler import SchedulerOutput
+from minillm.distributed.disaggregation import KVTransferConfig, split_plan
+from minillm.distributed.executor import WorkerError
+from minillm.engine.args import EngineArgs, kv_cache_block_bytes
+from minillm.lab.disagg_bench import run_mixed_load
+from minillm.model.config import torch_dtype
+
+KV_TRANSFER = {"kv_connector": "TorchDistributedConnector"}
+
+
+def chunk(request_id, phase, computed, new, samples, blocks):
+    request = types.SimpleNamespace(request_id=request_id)
+    return types.SimpleNamespace(
+        request=request,
+        phase=phase,
+        num_computed_tokens=computed,
+        num_new_tokens=new,
+        samples=samples,
+        block_ids=blocks,
+    )
+
+
+def test_split_plan_by_phase_and_the_blocks_that_move():
+    plan = SchedulerOutput(
+        step=3,
+        scheduled=[
+            chunk("a", "decode", 20, 1, True, [4, 5]),
+            chunk("b", "prefill", 0, 8, False, [1]),  # a chunk short of its prompt's end
+            chunk("c", "prefill", 16, 17, True, [7, 2, 9, 8]),  # 33 tokens: 3 blocks of 16
+        ],
+        block_copies=[(1, 2)],
+        finished_req_ids=["z"],
+    )
+    prefill, decode, transfers = split_plan(plan, block_size=16)
+    assert [c.request.request_id for c in prefill.scheduled] == ["b", "c"]
+    assert [c.request.request_id for c in decode.scheduled] == ["a"]
+    assert transfers == [("c", [7, 2, 9])]
+    for part in (prefill, decode):  # both ranks copy blocks and forget finished requests
+        assert part.block_copies == [(1, 2)] and part.finished_req_ids == ["z"]
+
+
+@pytest.fixture(scope="module")
+def disaggregated():
+    llm = LLM(dtype="float32", max_num_batched_tokens=32, kv_transfer_config=KV_TRANSFER)
+    yield llm
+    llm.shutdown()
+
+
+def test_greedy_output_matches_a_colocated_engine(disaggregated, reference_outputs):
+    disaggregated.engine.clear_parallel_stats()
+    outputs = disaggregated.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_outputs
+    engine = disaggregated.engine
+    records = engine.executor.kv_transfer_records()
+    # one transfer per request, of the blocks its prompt fills, every layer's K and V
+    assert sorted(r.request_id for r in records) == sorted(o.request_id for o in outputs)
+    block_size = engine.kv_cache_manager.block_size
+    block_bytes = kv_cache_block_bytes(engine.config, block_size, torch_dtype("float32"))
+    lengths = {o.request_id: len(o.prompt_token_ids) for o in outputs}
+    for record in records:
+        assert record.num_blocks == -(-lengths[record.request_id] // block_size)
+        assert record.num_bytes == record.num_blocks * block_bytes
+        assert record.seconds > 0
+
+
+def test_mixed_load_latencies_are_measured(disaggregated):
+    disaggregated.engine.clear_parallel_stats()
+    summary = run_mixed_load(disaggregated, num_decoders=2, num_long=2, long_len=40, max_tokens=5)
+    assert summary.num_requests == 4
+    assert summary.num_itl == 4 * (5 - 1)
+    assert 0 < summary.ttft_median_s <= summary.ttft_max_s
+    assert 0 < summary.itl_median_s <= summary.itl_max_s
+    records = disaggregated.engine.executor.kv_transfer_records()
+    assert len(records) == 4 and summary.kv_transfer_bytes == sum(r.num_bytes for r in records)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        (dict(kv_transfer_config="gloo"), TypeError, "must be a dict"),
+        (dict(kv_transfer_config={"kv_connector": "NixlConnector"}), ValueError, "kv_connector"),
+        (dict(kv_transfer_config={"kv_role": "kv_producer"}), ValueError, "kv_both"),
+        (dict(kv_transfer_config={"kv_port": 1}), ValueError, "does not use"),
+        (
+            dict(kv_transfer_config=KV_TRANSFER, tensor_parallel_size=2),
+            ValueError,
+            "cannot be combined with tensor_parallel_size",
+        ),
+        (
+            dict(kv_transfer_config=KV_TRANSFER, quantization="int8"),
+            ValueError,
+            "quantization cannot be combined",
+        ),
+    ],
+)
+def test_bad_kv_transfer_options(options, error, message):
+    with pytest.raises(error, match=message):
+        EngineArgs(device="cpu", **options)
+
+
+def test_disaggregation_needs_two_ranks(monkeypatch):
+    args = EngineArgs(device="cpu", kv_transfer_config=KVTransferConfig())
+    assert args.enable_prefix_caching is False  # never on: a prefix may sit on the other rank
+    monkeypatch.setattr("minillm.engine.args.max_world_size", lambda device_type: 1)
+    with pytest.raises(ValueError, match="needs 2 processes .* at most 1"):
+        EngineArgs(device="cpu", kv_transfer_config=KV_TRANSFER)
+
+
+def test_a_dead_decode_rank_stops_the_engine(disaggregated):
+    processes = disaggregated.engine.executor.processes
+    os.kill(processes[1].pid, signal.SIGKILL)
+    with pytest.raises(WorkerError, match="rank 1 (died|exited)"):
+        disaggregated.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert not any(process.is_alive() for process in processes)
