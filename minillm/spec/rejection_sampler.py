@@ -34,14 +34,18 @@ class RejectionOutput:
 
 def _uniform(
     shape: tuple[int, int],
+    num_draft_tokens: Sequence[int],
     generators: Sequence[torch.Generator | None] | None,
     generator: torch.Generator | None,
     device: torch.device,
 ) -> torch.Tensor:
+    """U[0, 1) draws; a row with its own generator draws one per draft token of its own, so
+    its stream does not depend on the other rows of the batch."""
     u = torch.rand(shape, generator=generator, device=device)
     for row, row_generator in enumerate(generators or ()):
-        if row_generator is not None:
-            u[row] = torch.rand(shape[1], generator=row_generator, device=device)
+        if row_generator is not None and num_draft_tokens[row]:
+            n = num_draft_tokens[row]
+            u[row, :n] = torch.rand(n, generator=row_generator, device=device)
     return u
 
 
@@ -89,7 +93,7 @@ def rejection_sample(
             q_draft = torch.ones_like(p_draft)
         else:
             q_draft = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
-        u = _uniform((num_rows, max_k), generators, generator, device)
+        u = _uniform((num_rows, max_k), num_draft_tokens, generators, generator, device)
         accept = u * q_draft < p_draft
         target_argmax = target_probs[:, :max_k].argmax(dim=-1)
         accept = torch.where(is_greedy[:, None], target_argmax == drafts, accept)
