@@ -1,26 +1,15 @@
-"""The paced client against its timing rules on a real engine, and the scrape helpers against
-brute force. Timings are never asserted as speeds: only orders, equalities the rules imply,
-and counts."""
+"""The paced client against its timing rules on a real engine. Timings are never asserted as
+speeds: only orders, equalities the rules imply, and counts."""
 
 from __future__ import annotations
 
-import bisect
-import math
-
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from minillm.engine.args import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.lab import serving_metrics as sm
 from minillm.lab.open_loop import TimedRequest
-from minillm.lab.paced_client import (
-    VLLM_TTFT_BUCKETS_S,
-    counter_samples,
-    cumulative_buckets,
-    run_paced,
-)
+from minillm.lab.paced_client import run_paced
 from minillm.sampling_params import SamplingParams
 
 
@@ -90,40 +79,3 @@ def test_a_busy_engine_is_rejected(engine):
     finally:
         while engine.has_unfinished_requests():
             engine.step()
-
-
-@given(st.lists(st.floats(0, 10), max_size=30), st.lists(st.floats(0, 10), max_size=10))
-def test_counter_samples_count_the_events_so_far(events, scrapes):
-    samples = counter_samples(events, scrapes)
-    assert [t for t, _ in samples] == sorted(scrapes)
-    for t, value in samples:
-        assert value == len([e for e in events if e <= t])
-
-
-def test_a_counter_rate_from_scrapes_is_the_event_rate():
-    events = [0.1 * k for k in range(1, 101)]  # 10 events a second for 10 s
-    samples = counter_samples(events, [0.0, 2.5, 5.0, 7.5, 10.0])
-    assert [v for _, v in samples] == [0.0, 25.0, 50.0, 75.0, 100.0]
-    assert sm.counter_rate(samples) == pytest.approx(10.0)
-
-
-@given(st.lists(st.floats(0.0005, 3000), min_size=1, max_size=40), st.floats(0.01, 1))
-def test_buckets_hold_cumulative_counts_and_the_quantile_stays_in_its_bucket(values, q):
-    buckets = cumulative_buckets(values, VLLM_TTFT_BUCKETS_S)
-    assert buckets[-1] == (math.inf, float(len(values)))
-    for le, count in buckets:
-        assert count == sum(v <= le for v in values)
-    estimate = sm.histogram_quantile(q, buckets)
-    exact = sm.percentile(values, 100 * q)
-    # the estimate lies in the bucket that holds the exact value (or at the top finite bound)
-    bounds = (0.0, *VLLM_TTFT_BUCKETS_S)
-    b = bisect.bisect_left(bounds, exact)
-    if b < len(bounds):
-        assert bounds[b - 1] - 1e-12 <= estimate <= bounds[b] + 1e-12
-    else:
-        assert estimate == VLLM_TTFT_BUCKETS_S[-1]
-
-
-def test_bucket_bounds_must_increase():
-    with pytest.raises(ValueError, match="increase"):
-        cumulative_buckets([0.1], [0.5, 0.2])
