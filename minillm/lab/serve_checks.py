@@ -12,7 +12,10 @@ vLLM itself):
   `num_requests_running + num_requests_waiting`, sampled while the load runs; λ is the rate
   at which requests finished (the `request_success` counter), and W their mean time in the
   server (the E2E histogram's sum over its count). In a steady state the two sides match;
-  the ratio says how far the run was from one (ramp-up, ramp-down, a short window).
+  the ratio says how far the run was from one (ramp-up, ramp-down, a short window), and
+  one more thing: W counts from a request's arrival at the engine's door, the gauges only
+  from when the engine thread has put it in the scheduler's queue (between two steps, as in
+  vLLM), so a busy engine thread shows as L below λW.
 
     before = scrape(url)
     with InSystemSampler(url) as sampler:
@@ -189,3 +192,91 @@ def littles_law(before: Scrape, after: Scrape, in_system: Sequence[tuple[float, 
         "l_measured": measured,
         "ratio": measured / predicted if predicted else math.nan,
     }
+
+
+def check_server(
+    base_url: str,
+    model: str | None = None,
+    *,
+    num_requests: int = 16,
+    concurrency: int = 4,
+    input_len: int = 32,
+    output_len: int = 16,
+    seed: int = 0,
+    tokenizer=None,
+    api_key: str | None = None,
+) -> dict:
+    """Run a closed-loop load on a live server while sampling its gauges; return both
+    checks: the client's TTFT and E2EL percentiles against the server's histograms, and
+    Little's law on the server."""
+    from dataclasses import asdict
+
+    from minillm.lab import loadgen
+
+    model = model or loadgen.server_model(base_url, api_key)
+    target = loadgen.Target(base_url, model, api_key=api_key)
+    sessions = loadgen.fixed_sessions(num_requests, input_len, output_len, seed, tokenizer)
+    before = scrape(base_url, api_key)
+    with InSystemSampler(base_url, api_key=api_key) as sampler:
+        run = loadgen.run(target, sessions, concurrency=concurrency, seed=seed)
+    after = scrape(base_url, api_key)
+    done = [r for r in run.records if r.ok]
+    ttfts = [r.token_times_s[0] - r.sent_s for r in done]
+    e2els = [r.end_s - r.sent_s for r in done]
+    return {
+        "load": {
+            "mode": "closed",
+            "concurrency": concurrency,
+            "requests": num_requests,
+            "input_len": input_len,
+            "output_len": output_len,
+        },  # fmt: skip
+        "completed": len(done),
+        "ttft": [
+            asdict(a) for a in percentile_agreement(ttfts, histogram_delta(before, after, TTFT))
+        ],
+        "e2el": [
+            asdict(a) for a in percentile_agreement(e2els, histogram_delta(before, after, E2EL))
+        ],
+        "littles_law": littles_law(before, after, sampler.samples),
+        # L as the client sees it: requests between their send and their last byte
+        "l_client": sm.mean_in_flight(
+            [(r.sent_s, r.end_s) for r in done], 0.0, max(r.end_s for r in done)
+        ),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m minillm.lab.serve_checks --base-url URL [--json FILE]"""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    result = check_server(
+        args.base_url, num_requests=args.num_requests, concurrency=args.concurrency
+    )
+    for name in ("ttft", "e2el"):
+        for a in result[name]:
+            print(
+                f"{name} p{a['percentile']:g}: client {a['client_s'] * 1e3:.1f} ms, server "
+                f"{a['server_s'] * 1e3:.1f} ms, bucket {a['bucket_s']}, agree {a['agree']}"
+            )
+    law = result["littles_law"]
+    print(
+        f"Little's law: L from the gauges {law['l_measured']:.2f}, lambda W from the counters "
+        f"{law['l_lambda_w']:.2f}, L in flight at the client {result['l_client']:.2f}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -130,13 +130,26 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ running requests
 
-    async def start(self, prefix: str, prompts: list, params_list: list, shared: asyncio.Queue):
-        """Add every prompt, or none: a refusal aborts the ones already added."""
+    async def start(
+        self,
+        prefix: str,
+        prompts: list,
+        params_list: list,
+        shared: asyncio.Queue,
+    ) -> list[str]:
+        """Add every prompt, or none: a refusal aborts the ones already added.
+
+        The requests arrive now, checked and tokenized, as in vLLM (where arrival_time is
+        set when the API server hands a request to the engine): their TTFT and queueing
+        time include the wait for the engine thread to take them, between two steps."""
+        arrival_time = self.engine.clock()
         request_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 request_id = f"{prefix}-{i}"
-                await self.async_engine.add_request(request_id, prompt, params, shared)
+                await self.async_engine.add_request(
+                    request_id, prompt, params, shared, arrival_time
+                )
                 request_ids.append(request_id)
         except BaseException as err:
             self.async_engine.abort(*request_ids)

@@ -70,6 +70,7 @@ class _Add:
     request_id: str
     prompt: Prompt
     params: SamplingParams
+    arrival_time: float | None
     stream: RequestStream
     future: asyncio.Future
 
@@ -132,15 +133,19 @@ class AsyncEngine:
         prompt: Prompt,
         params: SamplingParams,
         shared_queue: asyncio.Queue | None = None,
+        arrival_time: float | None = None,
     ) -> RequestStream:
         """Queue a request; raises ValueError (a bad prompt or options), EngineOverloaded,
-        or EngineDead. shared_queue: deliver to this queue (several requests, one consumer)."""
+        or EngineDead. shared_queue: deliver to this queue (several requests, one consumer).
+        arrival_time: when the request reached the server (`engine.clock()`), so that its
+        TTFT and queueing time include the wait for the engine thread; default: when the
+        engine thread adds it."""
         if not self.is_running:
             raise EngineDead(f"the engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, shared_queue or asyncio.Queue(), loop)
         future = loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, stream, future))
+        self._commands.put(_Add(request_id, prompt, params, arrival_time, stream, future))
         try:
             await future
         except asyncio.CancelledError:  # the client left while the request was being added
@@ -206,7 +211,9 @@ class AsyncEngine:
             return True
         try:
             with self.lock:
-                self.engine.add_request(command.request_id, command.prompt, command.params)
+                self.engine.add_request(
+                    command.request_id, command.prompt, command.params, command.arrival_time
+                )
         except ValueError as err:
             self._resolve(command, err)
             return True
