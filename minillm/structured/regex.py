@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
+
 MAX_UNICODE = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)  # no UTF-8 text holds these code points
 MAX_REPEAT = 256  # the largest count in {m,n}: each copy of the body is states in the NFA
@@ -456,17 +458,15 @@ def _determinize(nfa: _NFA, start: int, end: int, pattern: str):
     i = 0
     while i < len(order):
         current = order[i]
-        targets: list[set[int]] = [set() for _ in range(256)]
-        for nfa_state in current:
-            for b_lo, b_hi, target in nfa.edges[nfa_state]:
-                for byte in range(b_lo, b_hi + 1):
-                    targets[byte].add(target)
+        edges = [edge for nfa_state in current for edge in nfa.edges[nfa_state]]
+        # the bytes split into intervals on which the set of targets is the same
+        cuts = sorted({0, 256} | {lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
         row = [-1] * 256
         by_set: dict[frozenset[int], int] = {}
-        for byte, target_set in enumerate(targets):
-            if not target_set:
+        for low, high in zip(cuts, cuts[1:], strict=False):
+            key = frozenset(t for lo, hi, t in edges if lo <= low <= hi)
+            if not key:
                 continue
-            key = frozenset(target_set)
             if key not in by_set:
                 closed = nfa.closure(key)
                 if closed not in sets:
@@ -478,7 +478,7 @@ def _determinize(nfa: _NFA, start: int, end: int, pattern: str):
                     sets[closed] = len(order)
                     order.append(closed)
                 by_set[key] = sets[closed]
-            row[byte] = by_set[key]
+            row[low:high] = [by_set[key]] * (high - low)
         rows.append(row)
         i += 1
     accepting = {index for index, states in enumerate(order) if end in states}
@@ -487,51 +487,59 @@ def _determinize(nfa: _NFA, start: int, end: int, pattern: str):
 
 def _prune_and_minimize(rows: list[list[int]], accepting: set[int]):
     """Drop the states that cannot reach acceptance, then merge equivalent states (Moore's
-    partition refinement) and renumber from the start state."""
+    partition refinement, on a numpy table) and renumber from the start state."""
+    table = np.array(rows, dtype=np.int64).reshape(len(rows), 256)
     num_states = len(rows)
-    reverse: list[set[int]] = [set() for _ in range(num_states)]
+    sources: list[set[int]] = [set() for _ in range(num_states)]
     for source, row in enumerate(rows):
-        for target in row:
+        for target in set(row):
             if target >= 0:
-                reverse[target].add(source)
-    live = set(accepting)
+                sources[target].add(source)
+    live = np.zeros(num_states, dtype=bool)
     stack = list(accepting)
-    while stack:
-        for source in reverse[stack.pop()]:
-            if source not in live:
-                live.add(source)
+    live[stack] = True
+    while stack:  # backwards from the accepting states
+        for source in sources[stack.pop()]:
+            if not live[source]:
+                live[source] = True
                 stack.append(source)
-    if 0 not in live:
+    if not live[0]:
         return None
-    rows = [[t if t in live else -1 for t in row] for row in rows]
-    states = sorted(live)
-    block = {s: int(s in accepting) for s in states}
-    num_blocks = len(set(block.values()))
+    table = np.where((table >= 0) & live[np.maximum(table, 0)], table, -1)
+    states = np.flatnonzero(live)
+    is_accepting = np.zeros(num_states, dtype=bool)
+    is_accepting[list(accepting)] = True
+    # block of each state (dead states: -1); refine until the number of blocks stops growing
+    block = np.full(num_states, -1, dtype=np.int64)
+    block[states] = is_accepting[states].astype(np.int64)
+    num_blocks = len(np.unique(block[states]))
     while True:
-        signatures: dict[tuple, int] = {}
-        new_block = {}
-        for s in states:
-            signature = (block[s], tuple(block[t] if t >= 0 else -1 for t in rows[s]))
-            new_block[s] = signatures.setdefault(signature, len(signatures))
-        block = new_block
-        if len(signatures) == num_blocks:
+        targets = np.where(table[states] >= 0, block[np.maximum(table[states], 0)], -1)
+        signature = np.concatenate([block[states][:, None], targets], axis=1)
+        ids: dict[bytes, int] = {}
+        new_block = [ids.setdefault(row.tobytes(), len(ids)) for row in signature]
+        block[states] = new_block
+        count = len(ids)
+        if count == num_blocks:
             break
-        num_blocks = len(signatures)
+        num_blocks = count
     # renumber blocks in breadth-first order from the start, so state 0 is the start
-    number = {block[0]: 0}
-    representative = {0: 0}
+    number = {int(block[0]): 0}
+    representative = [0]
     queue = [0]
     for s in queue:
-        for t in rows[s]:
-            if t >= 0 and block[t] not in number:
-                number[block[t]] = len(number)
-                representative[number[block[t]]] = t
-                queue.append(t)
+        for t in table[s]:
+            if t >= 0 and int(block[t]) not in number:
+                number[int(block[t])] = len(number)
+                representative.append(int(t))
+                queue.append(int(t))
     transitions = tuple(
-        tuple(number[block[t]] if t >= 0 else -1 for t in rows[representative[i]])
-        for i in range(len(number))
+        tuple(number[int(block[t])] if t >= 0 else -1 for t in table[rep].tolist())
+        for rep in representative
     )
-    accept = frozenset(number[block[s]] for s in accepting if s in live and block[s] in number)
+    accept = frozenset(
+        number[int(block[s])] for s in accepting if live[s] and int(block[s]) in number
+    )
     return transitions, accept
 
 

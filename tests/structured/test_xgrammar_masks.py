@@ -6,6 +6,7 @@ state on the way. xgrammar gets the bundled tokenizer's vocabulary as raw bytes,
 bytes our masks walk.
 """
 
+import json
 import random
 
 import pytest
@@ -61,8 +62,13 @@ def xgrammar_mask(matcher, vocab_size: int) -> torch.Tensor:
     return ((bitmask[0][ids // 32] >> (ids % 32)) & 1).bool()
 
 
-def compare_walks(setup, pattern: str, compiled, num_walks: int = 3, max_steps: int = 12):
+def compare_walks(
+    setup, pattern: str, compiled, num_walks: int = 3, max_steps: int = 12, avoid: bytes = b""
+):
+    """Walk random allowed tokens (none whose bytes hold `avoid`, when given) and compare the
+    masks at every state; returns how many states were compared."""
     tokenizer, _, manager = setup
+    vocab = token_bytes(tokenizer, tokenizer.vocab_size)
     vocab_size = tokenizer.vocab_size
     eos = tokenizer.eos_token_id
     rng = random.Random(pattern)
@@ -75,9 +81,13 @@ def compare_walks(setup, pattern: str, compiled, num_walks: int = 3, max_steps: 
             ours = manager.allowed_mask(request_id, pattern, output, [eos])
             theirs = xgrammar_mask(matcher, vocab_size)
             different = (ours != theirs).nonzero().flatten().tolist()
-            assert different == [], (output, different[:10])
+            assert different == [], (tokenizer.decode(output), different[:10])
             num_states_compared += 1
-            choices = [t for t in ours.nonzero().flatten().tolist() if t != eos]
+            choices = [
+                t
+                for t in ours.nonzero().flatten().tolist()
+                if t != eos and not (avoid and avoid in vocab[t])
+            ]
             if not choices:
                 break
             token = rng.choice(choices)
@@ -99,3 +109,40 @@ def test_json_schema_masks_equal_xgrammars_along_random_walks(setup, index):
     _, compiler, _ = setup
     pattern = schema_to_regex(SCHEMAS[index])
     assert compare_walks(setup, pattern, compiler.compile_regex(pattern)) >= 3
+
+
+# xgrammar's own JSON-schema compiler, in the same layout (no free whitespace, json.dumps's
+# separators, no extra keys). Strings here have no length bounds: xgrammar spells a bounded
+# string without escape sequences, our compiler allows them there too. The walks take no
+# token with a minus sign: xgrammar refuses the integer -0, which JSON's grammar (RFC 8259)
+# and Python's json allow, and our compiler accepts.
+XGRAMMAR_LAYOUT_SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+            "ok": {"type": "boolean"},
+            "nothing": {"type": "null"},
+        },
+        "required": ["name", "age"],
+    },
+    {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 4},
+    {
+        "type": "object",
+        "properties": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+        "required": ["point"],
+    },
+]
+
+
+@pytest.mark.parametrize("index", range(len(XGRAMMAR_LAYOUT_SCHEMAS)))
+def test_json_schema_masks_equal_xgrammars_own_json_compiler(setup, index):
+    _, compiler, _ = setup
+    schema = XGRAMMAR_LAYOUT_SCHEMAS[index]
+    compiled = compiler.compile_json_schema(
+        json.dumps(schema), any_whitespace=False, separators=(", ", ": "), strict_mode=True
+    )
+    pattern = schema_to_regex(schema)
+    assert compare_walks(setup, pattern, compiled, num_walks=4, max_steps=20, avoid=b"-") >= 4
