@@ -187,8 +187,7 @@ class AsyncEngine:
             self.error = err
             for stream in list(self._streams.values()):
                 self._send(stream, EngineDead(f"the engine stopped: {err!r}"))
-            self._streams.clear()
-        finally:
+        finally:  # whatever stopped the loop, the requests it held free their blocks
             self._fail_pending_commands()
             with self.lock:
                 for request_id in list(self._streams):

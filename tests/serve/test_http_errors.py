@@ -166,3 +166,23 @@ def test_past_the_waiting_limit_requests_get_503_with_retry_after(llm):
         assert refused.status_code == 503
         assert int(refused.headers["Retry-After"]) >= 1
         assert error_of(refused)["code"] == "server_overloaded"
+
+
+def test_when_the_engine_loop_dies_clients_get_503_and_health_says_so(llm, monkeypatch):
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    with run_server(llm, port=0) as server:
+        monkeypatch.setattr(server.engine, "step", broken_step)
+        response = post(server, "/v1/completions", {"prompt": "def f(x):", "max_tokens": 3})
+        assert response.status_code == 503
+        assert "device lost" in error_of(response)["message"]
+        assert httpx.get(server.url + "/health").status_code == 503
+        again = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+        assert again.status_code == 503 and error_of(again)["code"] == "engine_dead"
+    monkeypatch.undo()
+    # the requests it held were aborted: the engine is clean for whoever uses it next
+    assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
+    llm.engine.step()  # reports the aborted request to nobody
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv_cache_manager.usage == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from minillm import SamplingParams
 from minillm.serve import run_server
 from minillm.serve.chat_template import ChatTemplate
 from tests.serve.conftest import greedy
@@ -27,6 +28,15 @@ def served(llm):
         "completions": greedy(llm, PROMPTS, MAX_TOKENS),
         "chat": greedy(llm, [chat_ids], MAX_TOKENS)[0],
         "token_ids": greedy(llm, [[0, 528, 291, 10]], MAX_TOKENS)[0],
+        "stop": greedy(llm, [PROMPTS[0]], MAX_TOKENS, stop=["\n"])[0],
+        "seeded": [
+            c.text
+            for c in llm.generate(
+                [PROMPTS[2]],
+                SamplingParams(n=2, seed=7, temperature=1.0, top_k=20, max_tokens=MAX_TOKENS),
+                use_tqdm=False,
+            )[0].outputs
+        ],
     }
     with run_server(llm, port=0) as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
@@ -148,3 +158,30 @@ def test_the_server_lists_its_model_and_refuses_others(served):
             extra_body={"best_of": 2},
         )
     assert info.value.body["param"] == "best_of"
+
+
+def test_stop_strings_cut_the_text_as_offline(served):
+    server, client, ref = served
+    kwargs = {"model": server.parts.served_model_name, "prompt": PROMPTS[0]}
+    kwargs.update(max_tokens=MAX_TOKENS, temperature=0, stop=["\n"])
+    response = client.completions.create(**kwargs)
+    assert response.choices[0].text == ref["stop"]
+    assert "\n" not in ref["stop"] and response.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+    assert streamed == ref["stop"]
+
+
+def test_seeded_sampling_with_n_completions_matches_offline(served):
+    """Completion i of a seeded request draws from seed + i: the same texts as offline."""
+    server, client, ref = served
+    response = client.completions.create(
+        model=server.parts.served_model_name,
+        prompt=PROMPTS[2],
+        n=2,
+        seed=7,
+        temperature=1.0,
+        max_tokens=MAX_TOKENS,
+        extra_body={"top_k": 20},
+    )
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == ref["seeded"]
+    assert ref["seeded"][0] != ref["seeded"][1]  # two different draws
