@@ -27,8 +27,8 @@ def test_filters_on_the_worked_example():
     close(decoding.processed_distribution(P, top_k=2), [0.4 / 0.65, 0.25 / 0.65, 0, 0, 0])
     # top-p 0.7: 0.40 + 0.25 = 0.65 < 0.7, so the third token stays too
     close(decoding.processed_distribution(P, top_p=0.7), [0.4 / 0.8, 0.25 / 0.8, 0.15 / 0.8, 0, 0])
-    # min-p 0.3: the cutoff is 0.3 * 0.40 = 0.12; only 0.08 falls below it
-    close(decoding.processed_distribution(P, min_p=0.3), [p / 0.92 for p in P[:4]] + [0])
+    # min-p 0.25: the cutoff is 0.25 * 0.40 = 0.10; only 0.08 falls below it
+    close(decoding.processed_distribution(P, min_p=0.25), [p / 0.92 for p in P[:4]] + [0])
     powered = [p**2 for p in P]
     close(decoding.processed_distribution(P, temperature=0.5), [x / sum(powered) for x in powered])
 
