@@ -108,6 +108,10 @@ class _SamplingFields(_Strict):
             **{k: getattr(defaults, k) if v is None else v for k, v in pick.items()},
         )
 
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ApiError('stream_options needs "stream": true', param="stream_options")
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -182,9 +186,12 @@ def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
             code="invalid_json",
         )
     try:
-        return model.model_validate(data)
+        request = model.model_validate(data)
     except ValidationError as err:
         raise validation_error(err) from None
+    if isinstance(request, _SamplingFields):
+        request.check_stream_options()
+    return request
 
 
 def validation_error(err: ValidationError) -> ApiError:

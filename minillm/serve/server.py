@@ -140,9 +140,13 @@ def start_server(
     accepts connections. port 0 picks a free port (server.url tells which)."""
     import uvicorn
 
-    parts = make_server_app(model, **options)
+    sock = bind_socket(host, port)  # first: a port in use fails before the model loads
+    try:
+        parts = make_server_app(model, **options)
+    except BaseException:
+        sock.close()
+        raise
     parts.async_engine.start()
-    sock = bind_socket(host, port)
     config = uvicorn.Config(
         parts.app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False
     )

@@ -46,6 +46,7 @@ def error_of(response: httpx.Response) -> dict:
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x", "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
         ({"max_tokens": 3}, "prompt"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),

@@ -185,3 +185,23 @@ def test_seeded_sampling_with_n_completions_matches_offline(served):
     )
     assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == ref["seeded"]
     assert ref["seeded"][0] != ref["seeded"][1]  # two different draws
+
+
+def test_chat_logprobs_list_each_token_with_its_alternatives(served):
+    server, client, ref = served
+    response = client.chat.completions.create(
+        model=server.parts.served_model_name,
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens == 5
+    assert "".join(item.token for item in content) == response.choices[0].message.content
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.logprob == item.top_logprobs[0].logprob  # greedy: the likeliest
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert bytes(item.bytes).decode() == item.token
