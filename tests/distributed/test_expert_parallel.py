@@ -9,8 +9,7 @@ import signal
 
 import pytest
 import torch
-from dist_testing import moe_sharded_causal_logits, run_on_ranks, save_checkpoint
-from test_moe_model import build_moe
+from dist_testing import build_moe, moe_sharded_causal_logits, run_on_ranks, save_checkpoint
 
 from minillm import LLM, SamplingParams
 from minillm.distributed.executor import WorkerError

@@ -7,38 +7,11 @@ from __future__ import annotations
 import pytest
 import safetensors.torch
 import torch
-from dist_testing import build_hf_model, save_checkpoint
+from dist_testing import MOE_CONFIGS, build_moe, save_checkpoint
 
 from minillm.model.config import ModelConfig
 from minillm.model.loader import load_model, save_pretrained
 from minillm.model.moe import RoutingRecorder, select_experts
-
-MOE_CONFIGS = {
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
-    "qwen3_moe": dict(
-        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False
-    ),
-    "qwen2_moe": dict(
-        num_experts=4,
-        num_experts_per_tok=3,
-        moe_intermediate_size=24,
-        shared_expert_intermediate_size=40,
-        norm_topk_prob=True,
-        num_hidden_layers=3,
-        mlp_only_layers=[1],
-    ),
-}
-
-
-def build_moe(arch: str, seed: int = 0, **overrides):
-    """A random transformers MoE model whose routers are random too (transformers starts
-    some at zero, where every expert ties)."""
-    model = build_hf_model(arch, seed=seed, **{**MOE_CONFIGS[arch], **overrides})
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-                param.normal_(0.0, 1.0)
-    return model
 
 
 @pytest.fixture(scope="module")
