@@ -218,5 +218,5 @@ def validation_error(err: ValidationError) -> ApiError:
 def value_error(err: ValueError, fields: set[str]) -> ApiError:
     """A ValueError from SamplingParams or the engine, with the field it names as param."""
     message = str(err)
-    first_word = message.split(" ", 1)[0]
+    first_word = message.split(" ", 1)[0].split("=", 1)[0]  # "n=9 completions cannot ..."
     return ApiError(message, param=first_word if first_word in fields else None)

@@ -52,6 +52,7 @@ def error_of(response: httpx.Response) -> dict:
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": [], "max_tokens": 3}, "prompt"),
         ({"prompt": [10**9], "max_tokens": 3}, "prompt"),
+        ({"prompt": "x", "n": 9, "temperature": 1}, "n"),  # more than max_num_seqs seats
     ],
 )
 def test_a_bad_completion_request_is_a_400_naming_its_field(server, body, param):
