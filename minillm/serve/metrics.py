@@ -5,6 +5,8 @@ dashboard, an alert or a PromQL query written for vLLM reads `minillm serve` unc
 
     vllm:time_to_first_token_seconds    histogram  arrival -> first output token
     vllm:inter_token_latency_seconds    histogram  every gap between consecutive tokens
+    vllm:request_time_per_output_token_seconds  histogram  per finished request:
+                                        (E2EL - TTFT) / (n - 1), the request-weighted TPOT
     vllm:e2e_request_latency_seconds    histogram  arrival -> finished
     vllm:request_queue_time_seconds     histogram  arrival -> first scheduled
     vllm:request_prompt_tokens          histogram  prompt tokens per finished request
@@ -111,6 +113,11 @@ class ServerMetrics:
         self.itl = histogram(
             "vllm:inter_token_latency_seconds", "Inter-token latency (s).", ITL_BUCKETS_S
         )
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Time per output token after the first, per finished request (s).",
+            ITL_BUCKETS_S,
+        )
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds",
             "End-to-end request latency (s).",
@@ -163,6 +170,8 @@ class ServerMetrics:
         self._seen.pop(output.request_id, None)
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.tpot_s is not None:
+            self.tpot.observe(m.tpot_s)
         if m.queueing_time_s is not None:
             self.queue_time.observe(m.queueing_time_s)
         self.request_prompt_tokens.observe(len(output.prompt_token_ids))

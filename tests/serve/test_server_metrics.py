@@ -64,7 +64,8 @@ def test_token_counters_equal_the_usage_the_clients_got(run):
 def test_one_latency_per_request_and_one_gap_per_token_after_the_first(run):
     samples, _, _ = run
     num_requests = 5  # the batch of two prompts is two requests; n=2 is one request
-    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+    names = ("time_to_first_token", "e2e_request_latency", "request_queue_time")
+    for name in (*names, "request_time_per_output_token"):  # every request had 2+ tokens
         assert samples[f"vllm:{name}_seconds_count"] == num_requests
     # gaps: 5-1 + 7-1 + (3-1, the n=2 completions advance together) + 2 * (4-1)
     assert samples["vllm:inter_token_latency_seconds_count"] == 4 + 6 + 2 + 6
