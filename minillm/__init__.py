@@ -13,19 +13,22 @@ from typing import TYPE_CHECKING
 _EXPORTS = {
     "LLM": "minillm.llm",
     "SamplingParams": "minillm.sampling_params",
+    "StructuredOutputsParams": "minillm.sampling_params",
+    "BeamSearchParams": "minillm.sampling_params",
     "LLMEngine": "minillm.engine.llm_engine",
     "EngineArgs": "minillm.engine.args",
     "RequestOutput": "minillm.outputs",
     "CompletionOutput": "minillm.outputs",
 }
 __all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput"]
+__all__ += ["StructuredOutputsParams", "BeamSearchParams"]
 
 if TYPE_CHECKING:
     from minillm.engine.args import EngineArgs
     from minillm.engine.llm_engine import LLMEngine
     from minillm.llm import LLM
     from minillm.outputs import CompletionOutput, RequestOutput
-    from minillm.sampling_params import SamplingParams
+    from minillm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> object:

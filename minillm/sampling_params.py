@@ -45,7 +45,8 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 class StructuredOutputsParams:
     """A constraint on the text of a request: exactly one of regex, json or choice.
 
-    vLLM's name and fields since v0.10.2 (before: `guided_decoding=GuidedDecodingParams`):
+    vLLM's names since v0.10.2, which renamed `guided_decoding=GuidedDecodingParams` (the old
+    names were dropped in v0.12). Fields:
     `regex` (the whole output matches it, `minillm.structured.regex` lists the subset), `json`
     (a JSON schema, as a dict or its text, in the subset of `minillm.structured.json_schema`;
     the output is one JSON value in `json.dumps`'s layout) and `choice` (the output is one of

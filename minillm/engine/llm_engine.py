@@ -219,6 +219,10 @@ class LLMEngine:
         # n > 1: one sequence is scheduled; the scheduler forks the others from it when the
         # prompt's last chunk is planned
         seqs[0].pending_forks = seqs[1:]
+        if self.enable_jump_forward and params.n == 1:
+            # text the grammar forces from the start joins the prefill (forks, n > 1, begin
+            # from the prompt alone, so they do not)
+            self._jump_forward(seqs)
         self.output_processor.add_request(request_id, prompt_text, seqs)
         self.scheduler.add_request(seqs[0])
 

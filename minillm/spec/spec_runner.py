@@ -238,7 +238,10 @@ class SpecDecodeRunner:
             for chunk in plan.scheduled:
                 request = chunk.request
                 start = self.draft.start(request.request_id, chunk.num_computed_tokens)
-                end = chunk.num_computed_tokens + chunk.num_new_tokens - chunk.num_lookahead_tokens
+                # a speculating decode computes its last token; a chunk, its planned tokens
+                end = chunk.num_computed_tokens + (
+                    1 if chunk.num_lookahead_tokens else chunk.num_new_tokens
+                )
                 catch_up.append(
                     (request.request_id, request.all_token_ids, start, end, chunk.block_ids)
                 )
@@ -255,11 +258,12 @@ class SpecDecodeRunner:
                 catch_up, rows, processed_probs, self._state, self._sample
             )
             q_by_id = {chunk.request.request_id: q for chunk, q in zip(wanting, qs, strict=True)}
+        # set, not adjusted: a step run again request by request proposes again
         for chunk, drafts in zip(wanting, proposals, strict=True):
             chunk.spec_token_ids = list(drafts)
-            unused = chunk.num_lookahead_tokens - len(drafts)
-            chunk.num_new_tokens -= unused
-            plan.num_batched_tokens -= unused
+            chunk.num_new_tokens = 1 + len(drafts)
+        if wanting:
+            plan.num_batched_tokens = sum(chunk.num_new_tokens for chunk in plan.scheduled)
         return q_by_id
 
     def _state(self, request: Request, extra_output: list[int]) -> SamplingState:

@@ -109,6 +109,8 @@ def test_package_exports_the_public_api():
         "EngineArgs",
         "RequestOutput",
         "CompletionOutput",
+        "StructuredOutputsParams",
+        "BeamSearchParams",
     }
     assert EngineArgs().model == DEFAULT_MODEL
     with pytest.raises(AttributeError):

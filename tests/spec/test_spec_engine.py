@@ -211,3 +211,39 @@ def test_min_p_is_refused_with_speculation_and_others_keep_running(pair):
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert [o.request_id for o in outputs if o.finished] == ["ok"]
+
+
+def test_a_failing_request_is_aborted_and_the_speculating_ones_carry_on(pair):
+    """The batch fails on one request's prompt while the others speculate: each request is
+    run alone (proposing again), the bad one is aborted, the others' output is unchanged."""
+    reference = run(make_engine(pair[0]), PROMPTS[:3], GREEDY)
+    seen = {t for outs in reference.values() for t in outs[0]} | {t for p in PROMPTS for t in p}
+    poison = min(set(range(2, VOCAB)) - seen)  # a token no healthy request ever holds
+    for spec in (draft_spec(pair), NGRAM):
+        engine = make_engine(pair[0], spec)
+        forward = engine.model_runner.forward
+
+        def faulty(model_input, forward=forward):
+            ids = model_input.input_ids
+            # the bad prompt's three poison tokens in a row (a draft may propose one alone)
+            if ((ids[:-2] == poison) & (ids[1:-1] == poison) & (ids[2:] == poison)).any():
+                raise RuntimeError("the device refused this batch")
+            return forward(model_input)
+
+        engine.model_runner.forward = faulty
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(str(i), prompt, GREEDY)
+        outputs = {}
+        for step in range(200):
+            if step == 3:  # the others are decoding by now
+                engine.add_request("bad", [0, poison, poison, poison, 5], GREEDY)
+            for output in engine.step():
+                if output.finished:
+                    outputs[output.request_id] = output
+            if not engine.has_unfinished_requests():
+                break
+        assert outputs["bad"].outputs[0].finish_reason == "abort"
+        assert {i: [c.token_ids for c in outputs[i].outputs] for i in reference} == reference
+        assert engine.kv_cache_manager.req_to_blocks == {}
+        pool = engine.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_blocks

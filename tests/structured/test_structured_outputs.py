@@ -181,3 +181,18 @@ def test_bad_constraints_are_rejected_where_they_enter(kwargs, message):
 def test_sampling_params_takes_only_structured_outputs_params():
     with pytest.raises(ValueError, match="structured_outputs must be None or a Structured"):
         SamplingParams(structured_outputs={"regex": "a"})
+
+
+def test_every_completion_of_n_follows_its_own_grammar_state(llm):
+    params = SamplingParams(
+        n=3,
+        temperature=1.0,
+        seed=11,
+        max_tokens=40,
+        structured_outputs=StructuredOutputsParams(regex=REGEX),
+    )
+    [output] = llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    assert len(output.outputs) == 3
+    for completion in output.outputs:
+        assert completion.finish_reason == "stop"
+        assert re.fullmatch(REGEX, completion.text), completion.text
