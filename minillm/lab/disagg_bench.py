@@ -8,13 +8,15 @@ in those steps; with disaggregation the prefill runs on its own process and the 
 steps only wait for the slower of the two ranks plus the KV transfer. Whether that pays
 depends on the machine: two processes on two busy CPU cores compete for the same cores, and
 each KV transfer is a copy. The numbers are measured, never assumed:
-`compare_colocated_disaggregated` runs both engines on the same load and returns both
-summaries (no thresholds anywhere).
+`compare_colocated_disaggregated` runs both engines on the same load, interleaved, and
+returns both summaries (no thresholds anywhere); `python -m minillm.lab.disagg_bench --json
+benchmarks/results/disagg_cpu.json` prints them side by side with their ratio.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import statistics
 
 from minillm import LLM, SamplingParams
@@ -84,17 +86,71 @@ def run_mixed_load(
 
 
 def compare_colocated_disaggregated(
-    model: str = "minillm-stdlib-target", dtype: str = "float32", **load
-) -> dict[str, LatencySummary]:
-    """The same mixed load on a colocated engine and on a disaggregated one (prefix caching
-    off in both, so that both compute every prompt)."""
+    model: str = "minillm-stdlib-target", dtype: str = "float32", rounds: int = 1, **load
+) -> dict[str, list[LatencySummary]]:
+    """The same mixed load on a colocated engine and on a disaggregated one, `rounds` times,
+    interleaved (colocated, disaggregated, colocated, ...) so that both see the same machine;
+    prefix caching is off in both, so that both compute every prompt."""
     options = dict(dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=64)
-    colocated = run_mixed_load(LLM(model, **options), **load)
+    colocated_llm = LLM(model, **options)
     disaggregated_llm = LLM(
         model, kv_transfer_config={"kv_connector": "TorchDistributedConnector"}, **options
     )
+    results: dict[str, list[LatencySummary]] = {"colocated": [], "disaggregated": []}
     try:
-        disaggregated = run_mixed_load(disaggregated_llm, **load)
+        for _ in range(rounds):
+            results["colocated"].append(run_mixed_load(colocated_llm, **load))
+            disaggregated_llm.engine.clear_parallel_stats()  # this round's transfers only
+            results["disaggregated"].append(run_mixed_load(disaggregated_llm, **load))
     finally:
         disaggregated_llm.shutdown()
-    return {"colocated": colocated, "disaggregated": disaggregated}
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+    import os
+    import platform
+    import time
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=pathlib.Path, help="write the results here")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 1) // 2),
+        help="torch threads of the colocated engine; default: what each disaggregated rank gets",
+    )
+    args = parser.parse_args(argv)
+    # many threads spinning on a loaded machine would slow the colocated engine for a reason
+    # that has nothing to do with disaggregation: give it what each worker rank gets
+    torch.set_num_threads(args.threads)
+    results = compare_colocated_disaggregated(rounds=args.rounds)
+    print("round  TTFT median ms (co / dis)   ITL median ms (co / dis)   ITL dis/co")
+    for i, (co, dis) in enumerate(zip(*results.values(), strict=True)):
+        print(
+            f"{i:5d}  {co.ttft_median_s * 1e3:8.1f} / {dis.ttft_median_s * 1e3:8.1f}"
+            f"      {co.itl_median_s * 1e3:8.1f} / {dis.itl_median_s * 1e3:8.1f}"
+            f"      {dis.itl_median_s / co.itl_median_s:6.2f}"
+        )
+    if args.json:
+        record = {
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "colocated_torch_threads": args.threads,
+            "results": {
+                mode: [dataclasses.asdict(summary) for summary in summaries]
+                for mode, summaries in results.items()
+            },
+        }
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
