@@ -343,8 +343,18 @@ def linear_floor_s(
 def w4a16_batches(n: int, k: int, device: DeviceSpec, group_size: int = 128) -> tuple[int, int]:
     """(b4, b16): from batch b4 the W4A16 layer is compute-bound and its gain starts to fall
     from about 4x; from batch b16 the bfloat16 layer is compute-bound too and W4A16 gains
-    nothing. Smallest batches (tokens in the step) where FLOPs / peak >= bytes / bandwidth."""
+    nothing. Smallest batches (tokens in the step) where FLOPs / peak >= bytes / bandwidth.
+
+    As m grows, both layers' intensity rises towards n k / (n + k) FLOP/byte (the activations
+    dominate the bytes); a layer whose limit is at or below the ridge point is memory-bound
+    at every batch, and ValueError says so.
+    """
     peak, bw = device.peak_flops("bfloat16"), device.memory_bandwidth_bytes_per_s
+    if n * k / (n + k) <= peak / bw:
+        raise ValueError(
+            f"a {k} -> {n} layer never becomes compute-bound on {device.name}: its intensity "
+            f"stays below {n * k / (n + k):.0f} FLOP/byte, the ridge point is {peak / bw:.0f}"
+        )
 
     def first(bytes_of) -> int:
         m = 1

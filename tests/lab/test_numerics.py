@@ -239,5 +239,7 @@ def test_bad_inputs_raise():
         nm.round_to_format(torch.tensor([500.0]), nm.FP8_E4M3, saturate=False)
     assert nm.round_to_format(torch.tensor([70000.0]), nm.FLOAT16, saturate=False).isinf().all()
     assert nm.round_to_format(torch.tensor([65519.0]), nm.FLOAT16, saturate=False) == 65504
+    with pytest.raises(ValueError, match="never becomes compute-bound"):
+        nm.w4a16_batches(256, 512, get_device("H100 SXM"))
     with pytest.raises(ValueError, match="scheme"):
         nm.linear_floor_s(1, 8, 8, get_device("H100 SXM"), "w2a2")
