@@ -122,6 +122,14 @@ def encode_documents(tokenizer: Tokenizer, documents: list[Document]) -> np.ndar
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint16)
 
 
+# Chat turns as Python comments, the only dialogue the standard library's code contains;
+# `minillm serve` renders it for /v1/chat/completions as transformers' apply_chat_template does.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}# {{ message['role'] }}: "
+    "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}# assistant:{% endif %}"
+)
+
+
 def tokenizer_config() -> dict:
     """`tokenizer_config.json` for `transformers.AutoTokenizer` (a fast tokenizer)."""
     return {
@@ -131,6 +139,7 @@ def tokenizer_config() -> dict:
         "pad_token": PAD_TOKEN,
         "model_max_length": 1024,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
 
 

@@ -78,6 +78,15 @@ def test_hf_files(model_dir):
     assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 
+def test_training_writes_the_shipped_tokenizer_config(model_dir):
+    # a retrained model keeps what the shipped one has, the chat template included
+    from minillm.training.corpus import tokenizer_config
+
+    shipped = json.loads((model_dir / "tokenizer_config.json").read_text())
+    assert tokenizer_config() == shipped
+    assert "{% for message in messages %}" in shipped["chat_template"]
+
+
 def test_models_fit_in_the_package():
     sizes = [p.stat().st_size for n in NAMES for p in (MODELS_DIR / n).iterdir()]
     assert sum(sizes) < 40 * 2**20
