@@ -92,6 +92,15 @@ class LLMEngine:
             available_bytes = gpu_kv_cache_bytes(
                 loaded.model, args.gpu_memory_utilization, max_num_batched_tokens
             )
+        if spec_config is not None and spec_config.method == "draft_model":
+            # the draft's KV cache has as many blocks as the target's: both share the budget
+            draft_config = load_model(spec_config.model, weights=False).config
+            draft_block_bytes = kv_cache_block_bytes(
+                draft_config, args.block_size, torch_dtype(args.dtype or draft_config.torch_dtype)
+            )
+            if available_bytes is not None:
+                available_bytes = available_bytes * block_bytes // (block_bytes + draft_block_bytes)
+            block_bytes += draft_block_bytes
         num_blocks = args.num_blocks(self.config, dtype, self.max_model_len, available_bytes)
         check_pool_fits(num_blocks, block_bytes, self.device)
         self.kv_cache_manager = KVCacheManager(

@@ -13,8 +13,11 @@ tokens per verification predicted from the measured acceptance rate alpha,
 (1 - alpha^(k+1)) / (1 - alpha), which assumes each draft is accepted independently with
 probability alpha.
 
-The functions here are the model the chapter uses: `expected_tokens_per_round(alpha, k)` and
-`expected_speedup(alpha, k, draft_cost)`.
+The functions here are the model the chapter uses: `expected_tokens_per_round(alpha, k)`, its
+inverse `alpha_from_tokens_per_round(tokens, k)` and `expected_speedup(alpha, k, draft_cost)`.
+Measured tokens per round exceed the prediction at the measured alpha when acceptances are
+correlated (a draft that got the first token right tends to get the next right too), which is
+what the per-position rates show.
 """
 
 from __future__ import annotations
@@ -64,6 +67,21 @@ def expected_tokens_per_round(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def alpha_from_tokens_per_round(tokens_per_round: float, k: int) -> float:
+    """The alpha at which k independent drafts would yield `tokens_per_round` tokens a round
+    (the inverse of expected_tokens_per_round, by bisection; it increases with alpha)."""
+    if not 1 <= tokens_per_round <= k + 1:
+        raise ValueError(f"tokens_per_round must be in [1, {k + 1}], got {tokens_per_round!r}")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        if expected_tokens_per_round(mid, k) < tokens_per_round:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
 def expected_speedup(alpha: float, k: int, draft_cost: float) -> float:
     """Speed-up over the target alone when a draft forward costs `draft_cost` target forwards
     and verifying k + 1 positions costs one: tokens per round over (k * draft_cost + 1)."""
@@ -107,6 +125,10 @@ def stats_record(stats, k: int) -> dict:
         "mean_acceptance_length": stats.mean_acceptance_length,
         "tokens_per_target_forward": stats.tokens_per_target_forward,
         "predicted_tokens_per_round": expected_tokens_per_round(alpha, k),
+        # the alpha that independent drafts would need to give the measured tokens per round
+        "alpha_fitted": alpha_from_tokens_per_round(stats.mean_acceptance_length, k)
+        if stats.num_drafts
+        else None,
     }
 
 

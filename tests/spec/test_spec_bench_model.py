@@ -9,7 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm.lab.spec_bench import expected_speedup, expected_tokens_per_round
+from minillm.lab.spec_bench import (
+    alpha_from_tokens_per_round,
+    expected_speedup,
+    expected_tokens_per_round,
+)
 
 
 def enumerated_tokens_per_round(alpha: float, k: int) -> float:
@@ -43,3 +47,9 @@ def test_known_values_and_the_speedup():
         expected_tokens_per_round(1.5, 2)
     with pytest.raises(ValueError, match="draft_cost"):
         expected_speedup(0.5, 2, -1)
+
+
+@given(alpha=st.floats(0, 1), k=st.integers(1, 6))
+def test_the_fitted_alpha_inverts_the_model(alpha, k):
+    tokens = enumerated_tokens_per_round(alpha, k)
+    assert alpha_from_tokens_per_round(tokens, k) == pytest.approx(alpha, abs=1e-6)
