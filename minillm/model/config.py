@@ -408,9 +408,7 @@ def _moe_fields(architecture: str, cfg: dict) -> dict:
             "moe_intermediate_size": cfg["intermediate_size"],
             "norm_topk_prob": True,
         }
-    missing = [
-        key for key in ("num_experts_per_tok", "moe_intermediate_size") if key not in cfg
-    ]
+    missing = [key for key in ("num_experts_per_tok", "moe_intermediate_size") if key not in cfg]
     if "num_experts" not in cfg and "num_local_experts" not in cfg:
         missing.insert(0, "num_experts")
     if missing:
