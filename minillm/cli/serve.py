@@ -48,6 +48,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=256,
         help="requests that may wait to be scheduled; past it, 503 with Retry-After",
     )
+    p.add_argument(
+        "--rate-limit-tokens-per-minute",
+        type=float,
+        default=None,
+        help="a token bucket per API key: prompt + max_tokens reserved, unused part given "
+        "back; past it, 429 with Retry-After (default: no limit)",
+    )
+    p.add_argument(
+        "--rate-limit-burst-tokens",
+        type=float,
+        default=None,
+        help="tokens a key may spend at once (default: a minute's worth)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = p.add_argument_group("engine options (as in vLLM)")
     for flag, kind, help_text in ENGINE_OPTIONS:
@@ -84,6 +97,8 @@ def _run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         max_waiting_requests=args.max_waiting_requests,
+        rate_limit_tokens_per_minute=args.rate_limit_tokens_per_minute,
+        rate_limit_burst_tokens=args.rate_limit_burst_tokens,
         **engine_options(args),
     )
     return 0

@@ -15,7 +15,8 @@ that their KV blocks and batch seats are freed at once.
 Errors are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400 for a body
 that is not JSON, a field of the wrong type or unknown, a value out of range, or a prompt too
 long for max_model_len; 404 for another model's name; 401 without the API key (when one is
-set); 503 with Retry-After when the waiting queue is full.
+set); 503 with Retry-After when the waiting queue is full; 429 with Retry-After when the
+key's token bucket is short (with a rate limit set: see minillm.serve.rate_limit).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from minillm.serve.protocol import (
     parse_request,
     value_error,
 )
+from minillm.serve.rate_limit import RateLimited, RateLimiter, Reservation
 
 SAMPLING_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 
@@ -72,7 +74,9 @@ class OpenAIServer:
         served_model_name: str,
         metrics: ServerMetrics,
         chat_template: ChatTemplate | None,
+        rate_limiter: RateLimiter | None = None,
     ) -> None:
+        self.rate_limiter = rate_limiter
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.tokenizer = self.engine.tokenizer
@@ -128,6 +132,31 @@ class OpenAIServer:
             raise ApiError("the prompt is empty: expected at least one token", param="prompt")
         return ids
 
+    def admit(self, request: Request, ids_list: list, params_list: list) -> Reservation | None:
+        """Take the requests' most tokens (prompt + n * max_tokens each) from the caller's
+        bucket, or answer 429 with Retry-After (no rate limit: None, always admitted)."""
+        if self.rate_limiter is None:
+            return None
+        auth = request.headers.get("authorization", "")
+        key = auth.removeprefix("Bearer ").strip()
+        cost = sum(
+            len(ids) + p.n * p.max_tokens for ids, p in zip(ids_list, params_list, strict=True)
+        )
+        try:
+            return self.rate_limiter.acquire(key, cost)
+        except RateLimited as err:
+            limit = self.rate_limiter
+            headers = {
+                "x-ratelimit-limit-tokens": f"{limit.tokens_per_minute:g}",
+                "x-ratelimit-remaining-tokens": str(int(limit.remaining(key))),
+            }
+            if err.retry_after_s is not None:
+                headers["Retry-After"] = str(err.retry_after_s)
+                headers["x-ratelimit-reset-tokens"] = f"{err.wait_s:.3f}s"
+            raise ApiError(
+                str(err), 429, code="rate_limit_exceeded", type="tokens", headers=headers
+            ) from None
+
     # ------------------------------------------------------------------ running requests
 
     async def start(
@@ -168,6 +197,23 @@ class OpenAIServer:
             raise
         return request_ids
 
+    async def start_reserved(self, prefix, prompts, params_list, shared, reservation) -> list:
+        """`start`, giving the reservation back whole when the requests are refused."""
+        try:
+            return await self.start(prefix, prompts, params_list, shared)
+        except BaseException:
+            settle(reservation, [])
+            raise
+
+    def closer(self, request_ids: list[str], reservation, latest: dict):
+        """What a stream does when it ends: abort what still runs, settle the tokens."""
+
+        def close() -> None:
+            self.async_engine.abort(*request_ids)
+            settle(reservation, list(latest.values()))
+
+        return close
+
     async def collect(self, request: Request, request_ids: list[str], shared: asyncio.Queue):
         """Wait for every request to finish; abort them all if the client disconnects."""
         finals: dict[str, RequestOutput] = {}
@@ -202,14 +248,17 @@ class OpenAIServer:
                 raise ApiError(output.error, 500, code="engine_error", type="server_error")
         return [finals[r] for r in request_ids]
 
-    async def stream_outputs(self, shared: asyncio.Queue, num_requests: int):
-        """The outputs of `num_requests` requests sharing a queue, until all have finished."""
+    async def stream_outputs(self, shared: asyncio.Queue, num_requests: int, latest=None):
+        """The outputs of `num_requests` requests sharing a queue, until all have finished
+        (`latest`, a dict: each request's last output, kept for the rate limiter)."""
         done = 0
         while done < num_requests:
             output = await shared.get()
             if isinstance(output, BaseException):
                 raise output
             done += output.finished
+            if latest is not None:
+                latest[output.request_id] = output
             yield output
 
     # ------------------------------------------------------------------ logprobs
@@ -279,7 +328,10 @@ class OpenAIServer:
         ]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         shared: asyncio.Queue = asyncio.Queue()
-        request_ids = await self.start(request_id, prompts, params_list, shared)
+        reservation = self.admit(request, ids_list, params_list)
+        request_ids = await self.start_reserved(
+            request_id, prompts, params_list, shared, reservation
+        )
         index_of = {r: i for i, r in enumerate(request_ids)}
         n, k = body.n, body.logprobs
         head = {
@@ -300,6 +352,7 @@ class OpenAIServer:
 
         if not body.stream:
             finals = await self.collect(request, request_ids, shared)
+            settle(reservation, finals)
             if finals is None:
                 return Response(status_code=499)
             choices = []
@@ -316,7 +369,7 @@ class OpenAIServer:
             sent: dict[tuple[int, int], int] = {}  # (prompt, completion) -> tokens sent
             text_sent: dict[tuple[int, int], int] = {}
             finals: dict[str, RequestOutput] = {}
-            async for output in self.stream_outputs(shared, len(request_ids)):
+            async for output in self.stream_outputs(shared, len(request_ids), latest):
                 if output.error:
                     yield sse(engine_error(output.error))
                     continue
@@ -343,7 +396,8 @@ class OpenAIServer:
                 yield sse({**head, "choices": [], "usage": usage_of(list(finals.values()))})
             yield sse("[DONE]")
 
-        return AbortingStream(events(), lambda: self.async_engine.abort(*request_ids))
+        latest: dict[str, RequestOutput] = {}
+        return AbortingStream(events(), self.closer(request_ids, reservation, latest))
 
     # ------------------------------------------------------------------ /v1/chat/completions
 
@@ -376,11 +430,13 @@ class OpenAIServer:
             raise value_error(err, SAMPLING_FIELDS) from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         shared: asyncio.Queue = asyncio.Queue()
-        request_ids = await self.start(request_id, [ids], [params], shared)
+        reservation = self.admit(request, [ids], [params])
+        request_ids = await self.start_reserved(request_id, [ids], [params], shared, reservation)
         head = {"id": request_id, "created": int(time.time()), "model": self.served_model_name}
 
         if not body.stream:
             finals = await self.collect(request, request_ids, shared)
+            settle(reservation, finals)
             if finals is None:
                 return Response(status_code=499)
             choices = [
@@ -427,7 +483,7 @@ class OpenAIServer:
                 yield chunk(index, {"role": "assistant", "content": ""})
             sent: dict[int, int] = {}
             final = None
-            async for output in self.stream_outputs(shared, 1):
+            async for output in self.stream_outputs(shared, 1, latest):
                 if output.error:
                     yield sse(engine_error(output.error))
                     continue
@@ -447,7 +503,8 @@ class OpenAIServer:
                 yield sse({**head, "choices": [], "usage": usage_of([final])})
             yield sse("[DONE]")
 
-        return AbortingStream(events(), lambda: self.async_engine.abort(*request_ids))
+        latest: dict[str, RequestOutput] = {}
+        return AbortingStream(events(), self.closer(request_ids, reservation, latest))
 
     # ------------------------------------------------------------------ the rest
 
@@ -475,6 +532,13 @@ def usage_of(finals: list[RequestOutput]) -> dict:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+def settle(reservation: Reservation | None, outputs: list[RequestOutput] | None) -> None:
+    """Give back the reserved tokens the requests did not use (None: the client left before
+    the outputs were read; the reservation is kept whole)."""
+    if reservation is not None:
+        reservation.settle(None if outputs is None else usage_of(outputs)["total_tokens"])
 
 
 def engine_error(message: str) -> dict:
@@ -509,9 +573,10 @@ def build_app(
     metrics: ServerMetrics,
     chat_template: ChatTemplate | None = None,
     api_key: str | None = None,
+    rate_limiter: RateLimiter | None = None,
 ) -> FastAPI:
     """The FastAPI app. `async_engine` must be started (and is not stopped by the app)."""
-    server = OpenAIServer(async_engine, served_model_name, metrics, chat_template)
+    server = OpenAIServer(async_engine, served_model_name, metrics, chat_template, rate_limiter)
     app = FastAPI(title="minillm", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 

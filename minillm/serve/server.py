@@ -33,6 +33,7 @@ from minillm.serve.api_server import build_app
 from minillm.serve.async_engine import AsyncEngine
 from minillm.serve.chat_template import ChatTemplate
 from minillm.serve.metrics import ServerMetrics
+from minillm.serve.rate_limit import RateLimiter
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from this machine only, unless asked
 DEFAULT_PORT = 8000
@@ -62,11 +63,23 @@ def make_server_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+    rate_limit_tokens_per_minute: float | None = None,
+    rate_limit_burst_tokens: float | None = None,
+    rate_limiter: RateLimiter | None = None,
     **engine_args,
 ) -> ServerApp:
     """The app for `model`: an `LLM`, an `LLMEngine`, or a model directory or bundled name
-    (None: the bundled model) with EngineArgs options (block_size=..., max_num_seqs=...)."""
+    (None: the bundled model) with EngineArgs options (block_size=..., max_num_seqs=...).
+
+    rate_limit_tokens_per_minute: a token bucket per API key (see minillm.serve.rate_limit),
+    holding rate_limit_burst_tokens at most (default: a minute's worth); rate_limiter: a
+    RateLimiter made by the caller (one with a test clock) instead."""
     from minillm.llm import LLM
+
+    if rate_limiter is None and rate_limit_tokens_per_minute is not None:
+        rate_limiter = RateLimiter(rate_limit_tokens_per_minute, rate_limit_burst_tokens)
+    elif rate_limit_burst_tokens is not None and rate_limit_tokens_per_minute is None:
+        raise ValueError("rate_limit_burst_tokens needs rate_limit_tokens_per_minute as well")
 
     lock = None
     if isinstance(model, LLM | LLMEngine):
@@ -87,7 +100,7 @@ def make_server_app(
     metrics = ServerMetrics(engine, name)
     async_engine = AsyncEngine(engine, max_waiting_requests, metrics.observe, lock)
     chat_template = ChatTemplate.from_model_dir(engine.tokenizer.path.parent)
-    app = build_app(async_engine, name, metrics, chat_template, api_key)
+    app = build_app(async_engine, name, metrics, chat_template, api_key, rate_limiter)
     return ServerApp(app, engine, async_engine, metrics, name, owns_engine)
 
 
