@@ -419,8 +419,7 @@ class LLMEngine:
         (collective_stats()[i].expert_load has each step's)."""
         if self.executor is None:
             return routing_recorder(self.model_runner.model).load_lists()
-        if not self.config.is_moe:
-            require_moe(self.config)
+        self._check_routing_recorded()
         total: dict[int, list[int]] = {}
         for records in self.executor.call("step_records"):  # ranks: the same layers or others
             rank_total: dict[int, list[int]] = {}
@@ -456,9 +455,16 @@ class LLMEngine:
         """A RoutingRecorder method on the model of every rank; their results."""
         if self.executor is None:
             return [getattr(routing_recorder(self.model_runner.model), method)(*args)]
-        if not self.config.is_moe:
-            require_moe(self.config)
+        self._check_routing_recorded()
         return self.executor.call("routing_call", method, *args)
+
+    def _check_routing_recorded(self) -> None:
+        require_moe(self.config)
+        if self.executor.spec.kv_transfer is not None:
+            raise ValueError(
+                "expert load and routing replay are not recorded with kv_transfer_config; "
+                "run the model colocated or with tensor_parallel_size"
+            )
 
     def _run_one_by_one(self, plan: SchedulerOutput, batch_error: Exception) -> dict:
         """The batch failed: run each scheduled request alone to find the ones it fails on.

@@ -4,6 +4,7 @@ latency measurement, bad options, and a decode rank that dies."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import types
@@ -16,6 +17,7 @@ from minillm.core.scheduler import SchedulerOutput
 from minillm.distributed.disaggregation import KVTransferConfig, split_plan
 from minillm.distributed.executor import WorkerError
 from minillm.engine.args import EngineArgs, kv_cache_block_bytes
+from minillm.engine.llm_engine import LLMEngine
 from minillm.lab.disagg_bench import run_mixed_load
 from minillm.model.config import torch_dtype
 
@@ -118,6 +120,25 @@ def test_disaggregation_needs_two_ranks(monkeypatch):
     monkeypatch.setattr("minillm.engine.args.max_world_size", lambda device_type: 1)
     with pytest.raises(ValueError, match="needs 2 processes .* at most 1"):
         EngineArgs(device="cpu", kv_transfer_config=KV_TRANSFER)
+
+
+def test_routes_are_not_recorded_when_disaggregated(disaggregated):
+    with pytest.raises(ValueError, match="no mixture-of-experts layers"):
+        disaggregated.engine.expert_load()  # the bundled model is dense
+    # an MoE model's engine with kv_transfer_config refuses too, without touching the ranks
+    engine = types.SimpleNamespace(
+        config=dataclasses.replace(
+            disaggregated.engine.config,
+            architecture="Qwen3MoeForCausalLM",
+            qk_norm=True,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=8,
+        ),
+        executor=disaggregated.engine.executor,
+    )
+    with pytest.raises(ValueError, match="not recorded with kv_transfer_config"):
+        LLMEngine._check_routing_recorded(engine)
 
 
 def test_a_dead_decode_rank_stops_the_engine(disaggregated):
