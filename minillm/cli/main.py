@@ -19,6 +19,7 @@ import sys
 SUBCOMMANDS = {
     "generate": ("minillm.cli.generate", "complete prompts with a model"),
     "serve": ("minillm.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
+    "router": ("minillm.cli.router", "route requests over several minillm serve replicas"),
     "bench": ("minillm.lab.bench", "benchmarks (speed is measured, never asserted)"),
     "eval": ("minillm.cli.eval", "measure a model: perplexity, weight bytes"),
     "exercises": (

@@ -1,0 +1,56 @@
+"""The `minillm router` command: one address in front of several `minillm serve` replicas.
+
+    minillm router --replica http://127.0.0.1:8001 http://127.0.0.1:8002 --policy prefix_aware
+
+See minillm.serve.router for the policies and what is passed through.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from minillm.serve.router import DEFAULT_PREFIX_CHARS, DEFAULT_VIRTUAL_NODES, POLICIES
+
+    p = subparsers.add_parser("router", help="route requests over several minillm serve replicas")
+    p.add_argument(
+        "--replica",
+        action="extend",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="a replica's URL (http://host:port); repeat or list several",
+    )
+    p.add_argument("--policy", choices=POLICIES, default="round_robin")
+    p.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=DEFAULT_PREFIX_CHARS,
+        help="prefix_aware: characters of the prompt hashed to choose the replica",
+    )
+    p.add_argument(
+        "--virtual-nodes",
+        type=int,
+        default=DEFAULT_VIRTUAL_NODES,
+        help="prefix_aware: points of each replica on the hash ring",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from minillm.serve.router import route_forever
+
+    route_forever(
+        args.replica,
+        args.policy,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        prefix_chars=args.prefix_chars,
+        virtual_nodes=args.virtual_nodes,
+    )
+    return 0

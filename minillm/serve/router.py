@@ -1,0 +1,481 @@
+"""`minillm router`: one address in front of several `minillm serve` replicas.
+
+    minillm serve --port 8001 &   minillm serve --port 8002 &
+    minillm router --replica http://127.0.0.1:8001 http://127.0.0.1:8002 \\
+        --policy prefix_aware --port 8000
+
+A small FastAPI proxy. `POST /v1/completions` and `POST /v1/chat/completions` go to one
+replica, chosen by the policy, and its answer comes back byte for byte (server-sent events
+pass through as they arrive, status codes and Retry-After too). `GET /v1/models` asks any
+live replica; `GET /health` probes every replica; `GET /metrics` counts the requests sent to
+each replica, the ones in flight, and the connection failures.
+
+The policies (pure functions and classes below, so that tests check them alone):
+
+- `round_robin`: the live replicas in turn. Even by count, blind to request sizes.
+- `least_outstanding`: the live replica with the fewest requests in flight through this
+  router (ties: in turn). Follows the load when requests differ in length.
+- `prefix_aware`: consistent hashing of the prompt's first `prefix_chars` characters on a
+  hash ring with virtual nodes, so that requests sharing a prefix (a tenant's system prompt,
+  a document) land on the replica whose prefix cache already holds its KV blocks. The key is
+  a *character* prefix, not a token prefix: the router loads no tokenizer (it forwards to
+  any OpenAI-compatible server) and equal text gives equal tokens, so equal character
+  prefixes of the prompt mean equal first KV blocks. 256 characters is about 64 tokens,
+  four blocks of 16: short enough to lie inside a shared system prompt, long enough to tell
+  tenants apart. With virtual nodes, adding a replica to N moves about 1/(N + 1) of the keys
+  and removing one moves only its own; a dead replica's keys go to the next one clockwise.
+  SGLang's router ("cache-aware") and vLLM's production stack route by prefix for the same
+  reason; they also fall back to the least loaded replica when one gets too busy, which this
+  router does not.
+
+A replica that refuses the connection is marked down for `down_for_s` seconds and the
+request goes to the next choice; when none is left the router answers 503 with OpenAI's error
+JSON naming the replicas it tried. Only connection failures are retried (nothing was sent);
+an answer from a replica, an error included, is passed to the client as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.responses import StreamingResponse
+
+POLICIES = ("round_robin", "least_outstanding", "prefix_aware")
+DEFAULT_PREFIX_CHARS = 256
+DEFAULT_VIRTUAL_NODES = 100
+# headers of a replica's answer the client must see (the rest are the connection's own)
+PASSED_HEADERS = ("content-type", "retry-after", "x-request-id")
+
+
+# ------------------------------------------------------------------------------ policies
+
+
+def stable_hash(text: str) -> int:
+    """A 64-bit hash that is the same in every process (Python's hash() is salted)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """Consistent hashing: each node owns `virtual_nodes` points on a 64-bit ring; a key
+    belongs to the first point at or after its hash, going round."""
+
+    def __init__(self, nodes: Sequence[str] = (), virtual_nodes: int = DEFAULT_VIRTUAL_NODES):
+        if not isinstance(virtual_nodes, int) or virtual_nodes < 1:
+            raise ValueError(f"virtual_nodes must be an int >= 1, got {virtual_nodes!r}")
+        self.virtual_nodes = virtual_nodes
+        self._points: list[tuple[int, str]] = []
+        for node in nodes:
+            self.add(node)
+
+    @property
+    def nodes(self) -> list[str]:
+        return sorted({node for _, node in self._points})
+
+    def add(self, node: str) -> None:
+        if node in self.nodes:
+            return
+        for i in range(self.virtual_nodes):
+            bisect.insort(self._points, (stable_hash(f"{node}#{i}"), node))
+
+    def remove(self, node: str) -> None:
+        self._points = [p for p in self._points if p[1] != node]
+
+    def lookup(self, key: str, allowed: Callable[[str], bool] | None = None) -> str | None:
+        """The node owning `key`; with `allowed`, the first allowed node clockwise from it
+        (None: no node, or none allowed)."""
+        if not self._points:
+            return None
+        start = bisect.bisect_left(self._points, (stable_hash(key), ""))
+        for step in range(len(self._points)):
+            node = self._points[(start + step) % len(self._points)][1]
+            if allowed is None or allowed(node):
+                return node
+        return None
+
+
+class RoundRobin:
+    """The candidates in turn."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def choose(self, candidates: Sequence[str]) -> str:
+        choice = candidates[self.turn % len(candidates)]
+        self.turn += 1
+        return choice
+
+
+def least_outstanding(candidates: Sequence[str], outstanding: dict[str, int], turn: int = 0) -> str:
+    """A candidate with the fewest requests in flight; among equals, the first at or after
+    position `turn` (so that an idle pool is still used in turn)."""
+    fewest = min(outstanding.get(c, 0) for c in candidates)
+    n = len(candidates)
+    for step in range(n):
+        c = candidates[(turn + step) % n]
+        if outstanding.get(c, 0) == fewest:
+            return c
+    raise AssertionError("unreachable")
+
+
+def prefix_key(body: object, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> str:
+    """The routing key of a request body: the first `prefix_chars` characters of its prompt
+    (completions: the prompt, or the first of a batch; token ids: as text; chat: the
+    messages' roles and contents in order). A body without a prompt gives ""."""
+    if not isinstance(body, dict):
+        return ""
+    if "messages" in body and isinstance(body["messages"], list):
+        parts = []
+        for m in body["messages"]:
+            if isinstance(m, dict):
+                content = m.get("content")
+                text = content if isinstance(content, str) else json.dumps(content)
+                parts.append(f"{m.get('role')}:{text}\n")
+        return "".join(parts)[:prefix_chars]
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch: its first prompt
+    if isinstance(prompt, list):  # token ids: about 4 characters a token
+        return ",".join(str(t) for t in prompt[: max(1, prefix_chars // 4)])
+    return prompt[:prefix_chars] if isinstance(prompt, str) else ""
+
+
+# ------------------------------------------------------------------------------ the proxy
+
+
+def check_replicas(replicas: Sequence[str]) -> list[str]:
+    if isinstance(replicas, str) or not replicas:
+        raise ValueError(f"replicas must be a non-empty list of URLs, got {replicas!r}")
+    out = []
+    for url in replicas:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"replica must be an http:// or https:// URL, got {url!r}")
+        url = url.rstrip("/").removesuffix("/v1")
+        if url in out:
+            raise ValueError(f"replica {url!r} is listed twice")
+        out.append(url)
+    return out
+
+
+class Router:
+    """The routing state: replicas, the policy, requests in flight, replicas marked down."""
+
+    def __init__(
+        self,
+        replicas: Sequence[str],
+        policy: str = "round_robin",
+        *,
+        prefix_chars: int = DEFAULT_PREFIX_CHARS,
+        virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
+        down_for_s: float = 5.0,
+        timeout_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        if not isinstance(prefix_chars, int) or prefix_chars < 1:
+            raise ValueError(f"prefix_chars must be an int >= 1, got {prefix_chars!r}")
+        self.replicas = check_replicas(replicas)
+        self.policy = policy
+        self.prefix_chars = prefix_chars
+        self.down_for_s = down_for_s
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.ring = HashRing(self.replicas, virtual_nodes)
+        self.round_robin = RoundRobin()
+        self.outstanding = dict.fromkeys(self.replicas, 0)
+        self.requests_total = dict.fromkeys(self.replicas, 0)
+        self.failures_total = dict.fromkeys(self.replicas, 0)
+        self.down_until = dict.fromkeys(self.replicas, 0.0)
+        self._client = None
+
+    def is_up(self, replica: str) -> bool:
+        return self.clock() >= self.down_until[replica]
+
+    def mark_down(self, replica: str) -> None:
+        self.failures_total[replica] += 1
+        self.down_until[replica] = self.clock() + self.down_for_s
+
+    def choose(self, body: object, exclude: set[str] = frozenset()) -> str | None:
+        """The replica for a request body, among those up and not in `exclude`."""
+        candidates = [r for r in self.replicas if r not in exclude and self.is_up(r)]
+        if not candidates:
+            return None
+        if self.policy == "round_robin":
+            return self.round_robin.choose(candidates)
+        if self.policy == "least_outstanding":
+            self.round_robin.turn += 1
+            return least_outstanding(candidates, self.outstanding, self.round_robin.turn)
+        allowed = set(candidates)
+        return self.ring.lookup(prefix_key(body, self.prefix_chars), allowed.__contains__)
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:  # made in the server's event loop, on first use
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.timeout_s, connect=5.0),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            )
+        return self._client
+
+    async def forward(self, request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None  # the replica answers the 400
+        headers = {
+            k: v for k, v in request.headers.items() if k in ("content-type", "authorization")
+        }
+        tried: list[str] = []
+        while True:
+            replica = self.choose(body, set(tried))
+            if replica is None:
+                message = (
+                    f"no replica available: tried {tried}; "
+                    f"replicas marked down: {[r for r in self.replicas if not self.is_up(r)]}"
+                )
+                err = {
+                    "error": {
+                        "message": message,
+                        "type": "server_error",
+                        "param": None,
+                        "code": "no_replica_available",
+                    }
+                }
+                return JSONResponse(err, status_code=503, headers={"Retry-After": "1"})
+            tried.append(replica)
+            self.outstanding[replica] += 1
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request("POST", replica + path, content=raw, headers=headers),
+                    stream=True,
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError):
+                self.outstanding[replica] -= 1
+                self.mark_down(replica)
+                continue
+            except BaseException:
+                self.outstanding[replica] -= 1
+                raise
+            self.requests_total[replica] += 1
+            return PassThrough(upstream, self._done(replica, upstream))
+
+    def _done(self, replica: str, upstream) -> Callable:
+        finished = False
+
+        async def done() -> None:
+            nonlocal finished
+            if not finished:
+                finished = True
+                self.outstanding[replica] -= 1
+                await upstream.aclose()
+
+        return done
+
+    async def health(self) -> dict[str, bool]:
+        """Probe every replica's /health (a replica that answers is up again)."""
+
+        async def probe(replica: str) -> bool:
+            try:
+                r = await self.client.get(replica + "/health", timeout=2.0)
+            except httpx.HTTPError:
+                self.mark_down(replica)
+                return False
+            if r.status_code == 200:
+                self.down_until[replica] = 0.0
+                return True
+            return False
+
+        states = await asyncio.gather(*(probe(r) for r in self.replicas))
+        return dict(zip(self.replicas, states, strict=True))
+
+    def render_metrics(self) -> str:
+        """Prometheus text format."""
+        lines = []
+        for name, kind, help_text, values in (
+            (
+                "minillm_router_requests_total",
+                "counter",
+                "Requests forwarded to each replica.",
+                self.requests_total,
+            ),
+            (
+                "minillm_router_outstanding_requests",
+                "gauge",
+                "Requests in flight through the router, per replica.",
+                self.outstanding,
+            ),
+            (
+                "minillm_router_connect_failures_total",
+                "counter",
+                "Connections to a replica that failed (the request went elsewhere).",
+                self.failures_total,
+            ),
+            (
+                "minillm_router_replica_up",
+                "gauge",
+                "1 while the replica is not marked down.",
+                {r: int(self.is_up(r)) for r in self.replicas},
+            ),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines += [f'{name}{{replica="{r}"}} {v}' for r, v in values.items()]
+        return "\n".join(lines) + "\n"
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+class PassThrough(StreamingResponse):
+    """A replica's answer streamed to the client as it arrives; `done` runs however the
+    stream ends (finished, the client gone, a failed send)."""
+
+    def __init__(self, upstream: httpx.Response, done) -> None:
+        headers = {k: v for k, v in upstream.headers.items() if k in PASSED_HEADERS}
+        super().__init__(upstream.aiter_raw(), upstream.status_code, headers)
+        self.done = done
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.done()
+
+
+def build_router_app(router: Router):
+    """The FastAPI app of `router`."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await router.aclose()
+
+    app = FastAPI(
+        title="minillm router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await router.forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await router.forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        for replica in router.replicas:
+            if router.is_up(replica):
+                try:
+                    r = await router.client.get(replica + "/v1/models", headers=request.headers)
+                except Exception:  # noqa: BLE001 (any failure: try the next replica)
+                    router.mark_down(replica)
+                    continue
+                return Response(r.content, r.status_code, media_type="application/json")
+        return JSONResponse({"error": {"message": "no replica available"}}, status_code=503)
+
+    @app.get("/health")
+    async def health():
+        states = await router.health()
+        return JSONResponse(states, status_code=200 if any(states.values()) else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.render_metrics(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+@dataclass
+class RunningRouter:
+    """A router listening in a thread of this process."""
+
+    url: str
+    router: Router
+    _uvicorn: object
+    _thread: threading.Thread
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout_s)
+
+
+def start_router(
+    replicas: Sequence[str],
+    policy: str = "round_robin",
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_level: str = "warning",
+    **options,
+) -> RunningRouter:
+    """Route over `replicas` from a thread (options: Router's); returns once it listens."""
+    import uvicorn
+
+    from minillm.serve.server import bind_socket
+
+    router = Router(replicas, policy, **options)
+    sock = bind_socket(host, port)
+    config = uvicorn.Config(
+        build_router_app(router),
+        log_level=log_level,
+        timeout_graceful_shutdown=5,
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="minillm-router", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the router did not start")
+        time.sleep(0.01)
+    bound_host, bound_port = sock.getsockname()[:2]
+    return RunningRouter(f"http://{bound_host}:{bound_port}", router, server, thread)
+
+
+@contextlib.contextmanager
+def run_router(replicas: Sequence[str], policy: str = "round_robin", **options) -> Iterator:
+    """`start_router` for a with-block."""
+    running = start_router(replicas, policy, **options)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def route_forever(
+    replicas: Sequence[str],
+    policy: str = "round_robin",
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    **options,
+) -> None:
+    """Route in the foreground until interrupted (what `minillm router` runs)."""
+    import uvicorn
+
+    router = Router(replicas, policy, **options)
+    print(f"minillm router: {policy} over {router.replicas} on http://{host}:{port}", flush=True)
+    uvicorn.run(build_router_app(router), host=host, port=port, log_level=log_level)
