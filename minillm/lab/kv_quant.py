@@ -1,7 +1,8 @@
 """FP8 KV cache, as a model: keys and values stored in one byte each, with a per-tensor scale.
 
 This module measures what an FP8 cache would do to the bundled model (chapter 3) by quantizing
-the cache offline; the engine itself keeps its KV cache in the model's dtype.
+the cache offline, which lets it compare scales on the same cache. The engine's own FP8
+cache is `LLM(kv_cache_dtype="fp8_e4m3")` (`minillm.model.kv_cache_dtype`).
 
 float8_e4m3fn (4 exponent bits, 3 mantissa bits, no infinities) covers +-448 with about two
 significant decimal digits. A value x is stored as the code q = fp8(x / scale) and read back
