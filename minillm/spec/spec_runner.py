@@ -16,8 +16,9 @@ k draft tokens (`ScheduledRequest.num_lookahead_tokens`). This runner then
    token; the scheduler appends them and rolls the rejected slots back in both caches.
 
 min_p is refused with speculative decoding, as vLLM refuses it (its rejection sampler does not
-apply min_p to the target's positions). Logprobs are the raw target logprobs at each emitted
-position (vLLM's default, raw_logprobs).
+apply min_p to the target's positions), and so are structured outputs here. Logprobs are the
+target's at each emitted position, as the engine's logprobs_mode asks: raw (the default) or
+processed, as the sampler reports them.
 """
 
 from __future__ import annotations
@@ -57,9 +58,14 @@ def unsupported_with_spec_decode(params: SamplingParams) -> str | None:
 
 
 def processed_probs(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """The distribution each row samples from, in the sampler's order: min_tokens mask,
-    penalties, temperature, top-k, top-p, softmax. Greedy rows keep temperature 1 (their
-    argmax is what counts). logits: [num_rows, vocab]; returns float32 probabilities."""
+    """The distribution each row samples from: the softmax of `processed_logits`."""
+    return processed_logits(logits, states).softmax(dim=-1)
+
+
+def processed_logits(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """The logits each row samples from, in the sampler's order: min_tokens mask, penalties,
+    then for sampling rows temperature, top-k and top-p (greedy rows stop after the
+    penalties, as in the sampler). logits: [num_rows, vocab]; returns float32."""
     logits = logits.float()
     params = [state.params for state in states]
 
@@ -79,11 +85,11 @@ def processed_probs(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
         )
     is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
     logits = apply_temperature(logits, torch.where(is_greedy, 1.0, column("temperature")))
-    if any(p.top_k > 0 for p in params):
-        logits = apply_top_k(logits, column("top_k", torch.int64))
-    if any(p.top_p < 1 for p in params):
-        logits = apply_top_p(logits, column("top_p"))
-    return logits.softmax(dim=-1)
+    if any(p.top_k > 0 and not p.is_greedy for p in params):
+        logits = apply_top_k(logits, torch.where(is_greedy, 0, column("top_k", torch.int64)))
+    if any(p.top_p < 1 and not p.is_greedy for p in params):
+        logits = apply_top_p(logits, torch.where(is_greedy, 1.0, column("top_p")))
+    return logits
 
 
 @dataclass(slots=True)
@@ -295,8 +301,16 @@ class SpecDecodeRunner:
         for chunk in spec_rows:
             drafts = chunk.spec_token_ids
             states += [self._state(chunk.request, drafts[:j]) for j in range(len(drafts) + 1)]
-        probs = processed_probs(logits, states)
-        raw_logprobs = logits.float().log_softmax(dim=-1)
+        processed = processed_logits(logits, states)
+        probs = processed.softmax(dim=-1)
+        # what logprobs report (vLLM's logprobs_mode, as the sampler has it)
+        mode = getattr(self.target.sampler, "logprobs_mode", "raw_logprobs")
+        reported = {
+            "raw_logprobs": lambda: logits.float().log_softmax(dim=-1),
+            "raw_logits": lambda: logits.float(),
+            "processed_logprobs": lambda: processed.log_softmax(dim=-1),
+            "processed_logits": lambda: processed,
+        }[mode]()
         max_k = max(len(chunk.spec_token_ids) for chunk in spec_rows)
         vocab = logits.shape[-1]
         num_rows = len(spec_rows)
@@ -334,7 +348,7 @@ class SpecDecodeRunner:
                 self.draft.accepted(request.request_id, request.num_tokens, k, num_accepted)
             tokens = result.token_ids[b]
             num_top = request.sampling_params.logprobs
-            logprob_rows = raw_logprobs[starts[b] : starts[b] + len(tokens)]
+            logprob_rows = reported[starts[b] : starts[b] + len(tokens)]
             tops = top_logprobs(logprob_rows, [num_top] * len(tokens))
             entries = []
             for j, token_id in enumerate(tokens):

@@ -107,8 +107,11 @@ def test_penalties_and_min_tokens_count_the_drafts_before_each_position(pair):
         assert run(make_engine(pair[0], spec), PROMPTS, params) == reference
 
 
-def test_logprobs_are_the_target_raw_logprobs(pair):
-    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "processed_logits"])
+def test_logprobs_are_the_targets_in_each_logprobs_mode(pair, mode):
+    params = SamplingParams(
+        temperature=0, max_tokens=12, logprobs=2, ignore_eos=True, repetition_penalty=1.3
+    )
 
     def logprobs(engine):
         engine.add_request("a", PROMPTS[0], params)
@@ -120,8 +123,8 @@ def test_logprobs_are_the_target_raw_logprobs(pair):
                     got[output.request_id] = output.outputs[0].logprobs
         return got
 
-    reference = logprobs(make_engine(pair[0]))
-    spec = logprobs(make_engine(pair[0], draft_spec(pair)))
+    reference = logprobs(make_engine(pair[0], logprobs_mode=mode))
+    spec = logprobs(make_engine(pair[0], draft_spec(pair), logprobs_mode=mode))
     for request_id, rows in reference.items():
         assert len(spec[request_id]) == len(rows) == 12
         for row, spec_row in zip(rows, spec[request_id], strict=True):
