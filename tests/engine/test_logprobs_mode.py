@@ -128,3 +128,15 @@ def test_processed_logprobs_are_minus_infinity_where_the_grammar_masks(engines, 
     if mode == "raw_logprobs":  # raw logprobs ignore the mask: disallowed tokens show up
         [output] = engine.generate([PROMPT], params, use_tqdm=False)
         assert any(not letters[t] for t in output.outputs[0].logprobs[0])
+
+
+def test_bad_logprobs_modes_are_rejected_where_they_enter():
+    from minillm import EngineArgs
+    from minillm.worker.sampler import Sampler
+
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        EngineArgs(logprobs_mode="processed")
+    with pytest.raises(ValueError, match="logprobs_mode='raw_logits' runs on one process"):
+        EngineArgs(logprobs_mode="raw_logits", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        Sampler(logprobs_mode="logits")
