@@ -14,7 +14,9 @@ as vLLM V1 returns them) is the model's log-softmax before any processing; "raw_
 model's logits themselves; "processed_logprobs" and "processed_logits" are taken from the
 logits the token is finally drawn from: after the grammar mask, min_tokens, penalties,
 temperature and top-k/top-p/min-p (-inf where masked or filtered). For a greedy row that is
-after the penalties (greedy rows skip temperature and the filters, as in vLLM).
+after the penalties (greedy rows skip temperature and the filters, as in vLLM). One difference:
+vLLM V1 applies the grammar bitmask to the logits before its sampler, so its raw logprobs are
+already -inf where the grammar forbids; minillm's raw logprobs are the model's own.
 
 Every processor is a function of the whole batch, with the per-row parameters as tensors:
 `logits: [num_rows, vocab_size]`, `temperature: [num_rows]` and so on. Python loops remain only
