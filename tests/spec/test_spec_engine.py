@@ -250,3 +250,33 @@ def test_a_failing_request_is_aborted_and_the_speculating_ones_carry_on(pair):
         assert engine.kv_cache_manager.req_to_blocks == {}
         pool = engine.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == pool.num_blocks
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_identical_to_the_target_has_every_draft_accepted(pair, tmp_path, temperature):
+    """q = p: the coin u * q < p always lands on accept, so every round yields k + 1 tokens,
+    and the counters say exactly that."""
+    import transformers
+
+    from minillm.llm import LLM
+
+    same = transformers.AutoModelForCausalLM.from_pretrained(pair[0])
+    perturbed_copy(same, tmp_path / "same", noise=0.0, seed=0, vocab_size=VOCAB)
+    k = 3
+    llm = LLM(
+        pair[0], speculative_config={"model": str(tmp_path / "same"), "num_speculative_tokens": k}
+    )
+    # 1 + 4 rounds of k + 1 tokens: no round is cut short by max_tokens
+    params = SamplingParams(
+        temperature=temperature, max_tokens=1 + 4 * (k + 1), ignore_eos=True, seed=0
+    )
+    outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [17, 17]
+    stats = llm.spec_decode_stats()
+    assert stats.num_drafts == 8 and stats.num_draft_tokens == 8 * k
+    assert stats.num_accepted_tokens == 8 * k
+    assert stats.num_accepted_tokens_per_pos == [8] * k
+    assert stats.acceptance_rate_per_pos == [1.0] * k
+    assert stats.mean_acceptance_length == k + 1
+    assert stats.tokens_per_target_forward == 2 * (k + 1)  # two requests verified per forward
+    assert LLM(pair[0]).spec_decode_stats() is None
