@@ -13,6 +13,14 @@ all k drafts were accepted it still lacks the last one, and after preemption or 
 hit it starts where the target does. Each step it first catches up over the request's tokens
 from there to the last one (one forward for the whole batch, prefill chunks alongside), then
 proposes k tokens autoregressively: k - 1 more one-token forwards.
+
+A request admitted on a prefix-cache hit starts its draft KV where its target KV starts,
+trusting the cached blocks to hold the draft's keys and values too: the draft computed them
+along with the target, except the last draft of a round whose k drafts were all accepted,
+whose draft KV is written only in the request's next step. A request that finished right
+after such a round leaves that one slot stale in the draft's cache; a later hit on the block
+can only lower the draft's acceptance there, never change the output, which the target
+verifies.
 """
 
 from __future__ import annotations
