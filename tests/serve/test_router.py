@@ -217,3 +217,17 @@ def test_no_replica_left_is_a_clear_503():
         assert error["code"] == "no_replica_available"
         assert all(url in error["message"] for url in dead)
         assert httpx.get(router.url + "/health").status_code == 503
+
+
+def test_the_routing_bench_reads_counters_over_every_label_set():
+    from minillm.lab.routing_bench import counter_total
+
+    text = (
+        "# TYPE vllm:prefix_cache_hits_total counter\n"
+        'vllm:prefix_cache_hits_total{model_name="a"} 30.0\n'
+        'vllm:prefix_cache_hits_total{model_name="b"} 12.0\n'
+        "vllm:prefix_cache_hits_created 1.7e9\n"
+        "vllm:prefix_cache_queries_total 100.0\n"
+    )
+    assert counter_total(text, "vllm:prefix_cache_hits_total") == 42.0
+    assert counter_total(text, "vllm:prefix_cache_queries_total") == 100.0
