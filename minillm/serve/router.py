@@ -28,10 +28,13 @@ The policies (pure functions and classes below, so that tests check them alone):
   reason; they also fall back to the least loaded replica when one gets too busy, which this
   router does not.
 
-A replica that refuses the connection is marked down for `down_for_s` seconds and the
-request goes to the next choice; when none is left the router answers 503 with OpenAI's error
-JSON naming the replicas it tried. Only connection failures are retried (nothing was sent);
-an answer from a replica, an error included, is passed to the client as it is.
+A replica that refuses the connection (or closes it before answering) is marked down for
+`down_for_s` seconds and the request goes to the next choice; when none is left the router
+answers 503 with OpenAI's error JSON naming the replicas it tried. Only such connection
+failures are retried (a completion changes nothing on the server, so a retry at worst
+repeats work); an answer from a replica, an error included, is passed on as it is. Each
+replica keeps its own rate-limit buckets (minillm.serve.rate_limit): behind a router of N
+replicas a key gets up to N times the limit of one.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ DEFAULT_PREFIX_CHARS = 256
 DEFAULT_VIRTUAL_NODES = 100
 # headers of a replica's answer the client must see (the rest are the connection's own)
 PASSED_HEADERS = ("content-type", "retry-after", "x-request-id")
+PASSED_PREFIXES = ("x-ratelimit-",)
 
 
 # ------------------------------------------------------------------------------ policies
@@ -344,7 +348,11 @@ class PassThrough(StreamingResponse):
     stream ends (finished, the client gone, a failed send)."""
 
     def __init__(self, upstream: httpx.Response, done) -> None:
-        headers = {k: v for k, v in upstream.headers.items() if k in PASSED_HEADERS}
+        headers = {
+            k: v
+            for k, v in upstream.headers.items()
+            if k in PASSED_HEADERS or k.startswith(PASSED_PREFIXES)
+        }
         super().__init__(upstream.aiter_raw(), upstream.status_code, headers)
         self.done = done
 
@@ -381,7 +389,8 @@ def build_router_app(router: Router):
         for replica in router.replicas:
             if router.is_up(replica):
                 try:
-                    r = await router.client.get(replica + "/v1/models", headers=request.headers)
+                    auth = {k: v for k, v in request.headers.items() if k == "authorization"}
+                    r = await router.client.get(replica + "/v1/models", headers=auth)
                 except Exception:  # noqa: BLE001 (any failure: try the next replica)
                     router.mark_down(replica)
                     continue

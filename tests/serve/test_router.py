@@ -194,7 +194,8 @@ def test_two_replicas_behind_the_router_answer_as_a_direct_request(llm, referenc
                 )
                 assert sorted(counts.values()) == [3.0, 7.0]  # 3 round robin + 4 on one
 
-                # one replica dies: the other takes every request
+                # one replica dies: the other takes every request (in turn, b is tried)
+                router.router.policy = "round_robin"
                 b.stop()
                 for p in prompts:
                     r = completion(router.url, p)
@@ -231,3 +232,21 @@ def test_the_routing_bench_reads_counters_over_every_label_set():
     )
     assert counter_total(text, "vllm:prefix_cache_hits_total") == 42.0
     assert counter_total(text, "vllm:prefix_cache_queries_total") == 100.0
+
+
+def test_a_replica_s_429_comes_through_with_its_headers(llm):
+    from minillm.serve.rate_limit import RateLimiter
+
+    now = [0.0]
+    cost = len(llm.engine.tokenizer.encode("hello there")) + 6
+    limiter = RateLimiter(60, burst_tokens=cost, clock=lambda: now[0])
+    body = {"prompt": "hello there", "max_tokens": 6, "ignore_eos": True}
+    with run_server(llm, port=0, rate_limiter=limiter) as server:
+        with run_router([server.url], "round_robin") as router:
+            first = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+            second = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+    assert first.status_code == 200
+    assert second.status_code == 429
+    assert second.headers["Retry-After"] == str(cost)  # one token a second, all of it spent
+    assert second.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert second.json()["error"]["code"] == "rate_limit_exceeded"
