@@ -205,6 +205,16 @@ class OpenAIServer:
             settle(reservation, [])
             raise
 
+    async def collect_settled(self, request, request_ids, shared, reservation):
+        """`collect`, then settle the reservation: what was used, nothing if it failed."""
+        try:
+            finals = await self.collect(request, request_ids, shared)
+        except BaseException:
+            settle(reservation, [])
+            raise
+        settle(reservation, finals)
+        return finals
+
     def closer(self, request_ids: list[str], reservation, latest: dict):
         """What a stream does when it ends: abort what still runs, settle the tokens."""
 
@@ -351,8 +361,7 @@ class OpenAIServer:
             }
 
         if not body.stream:
-            finals = await self.collect(request, request_ids, shared)
-            settle(reservation, finals)
+            finals = await self.collect_settled(request, request_ids, shared, reservation)
             if finals is None:
                 return Response(status_code=499)
             choices = []
@@ -435,8 +444,7 @@ class OpenAIServer:
         head = {"id": request_id, "created": int(time.time()), "model": self.served_model_name}
 
         if not body.stream:
-            finals = await self.collect(request, request_ids, shared)
-            settle(reservation, finals)
+            finals = await self.collect_settled(request, request_ids, shared, reservation)
             if finals is None:
                 return Response(status_code=499)
             choices = [
