@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import pathlib
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -29,7 +27,7 @@ import torch
 
 from minillm.engine.args import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
-from minillm.lab.bench import cpu_name
+from minillm.lab.bench import machine_record
 from minillm.lab.kv_fp8_agreement import heldout_prompts
 from minillm.llm import LLM
 from minillm.sampling_params import SamplingParams
@@ -192,12 +190,7 @@ def record(dtype: str, repeats: int) -> dict:
         for mode in (False, True)
     }
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **machine_record(),
         "model": MODEL,
         "dtype": dtype,
         "attention_backend": "torch",

@@ -190,11 +190,7 @@ def bench_offline(args: argparse.Namespace) -> dict:
             f"{r.total_tokens_per_s:12.1f} {baseline / r.output_tokens_per_s:9.2f}x"
         )
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
+        **machine_record(),
         "model": str(args.model or DEFAULT_MODEL),
         "dtype": args.dtype,
         "workload": {
@@ -279,15 +275,26 @@ def bench_scheduler(args: argparse.Namespace) -> dict:
         "(1.0 is linear bookkeeping)"
     )
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
+        **machine_record(),
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         "repeats": args.repeats,
         "results": rows,
         "per_sequence_cost_ratio": ratio,
+    }
+
+
+def machine_record() -> dict:
+    """Where and when a benchmark ran: date, CPU, cores, torch threads, torch and Python."""
+    import torch
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
     }
 
 

@@ -21,15 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import platform
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
-from minillm.lab.bench import cpu_name
+from minillm.lab.bench import machine_record
 from minillm.llm import LLM
 from minillm.model.loader import resolve_model_path
 from minillm.model.perplexity import heldout_windows
@@ -139,12 +135,7 @@ def record(num_prompts: int, prompt_len: int, max_tokens: int, dtype: str) -> di
         row["seconds"] = time.perf_counter() - start
         rows[name] = row
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **machine_record(),
         "model": MODEL,
         "dtype": dtype,
         "kv_cache_dtype": "fp8_e4m3",

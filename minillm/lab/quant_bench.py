@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -33,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minillm.lab.bench import cpu_name
+from minillm.lab.bench import machine_record
 
 MODEL = "minillm-stdlib-target"
 RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -143,12 +141,7 @@ def run(
 def record(results, windows, calibration, repeats, max_tokens, group_size) -> dict:
     base = results.get("float32")
     out = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **machine_record(),
         "model": MODEL,
         "heldout": {"num_windows": windows.shape[0], "window_len": windows.shape[1]},
         "calibration": {

@@ -158,14 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import importlib.metadata
     import json
-    import os
-    import platform
     import statistics
-    import time
 
-    import torch
-
-    from minillm.lab.bench import cpu_name
+    from minillm.lab.bench import machine_record
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=2)
@@ -212,11 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{p:18s} mean hit rate {m['prefix_cache_hit_rate']:.3f}{ratio}")
     if args.json:
         record = {
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "machine": cpu_name(),
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
+            **machine_record(),
             "minillm": importlib.metadata.version("minillm"),
             "settings": {**settings, "engine_options": ENGINE_OPTIONS},
             "means": means,

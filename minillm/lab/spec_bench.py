@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 
@@ -135,7 +133,7 @@ def stats_record(stats, k: int) -> dict:
 def bench(args: argparse.Namespace) -> dict:
     import torch
 
-    from minillm.lab.bench import cpu_name
+    from minillm.lab.bench import machine_record
     from minillm.llm import LLM
 
     if args.threads:
@@ -146,12 +144,7 @@ def bench(args: argparse.Namespace) -> dict:
     }
     workloads = {"code": CODE_PROMPTS, "repetitive": REPETITIVE_PROMPTS}
     record: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **machine_record(),
         "target": "minillm-stdlib-target",
         "draft": "minillm-stdlib-draft",
         "dtype": args.dtype,

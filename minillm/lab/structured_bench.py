@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import time
 
 import torch
 
-from minillm.lab.bench import cpu_name
+from minillm.lab.bench import machine_record
 from minillm.model.loader import DEFAULT_MODEL, resolve_model_path
 from minillm.model.tokenizer import Tokenizer
 from minillm.structured.grammar import StructuredOutputManager, token_bytes
@@ -123,11 +121,7 @@ def run(num_walks: int = 3, num_steps: int = 24, seed: int = 0) -> dict:
             f"{row['warm_over_xgrammar']:.2f}x)"
         )
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **machine_record(),
         "xgrammar": version("xgrammar"),
         "vocab_size": vocab_size,
         "vocab_setup_ms": {"ours": 1e3 * vocab_s, "xgrammar": 1e3 * xgr_vocab_s},
