@@ -1,0 +1,90 @@
+"""The instructor's guide: the figures it computes from the chapters and solutions."""
+
+import json
+import re
+
+import pytest
+
+from minillm.course import timing
+
+from .conftest import ROOT, toc_files
+
+PAGE = """---
+jupytext:
+  text_representation:
+    format_name: myst
+---
+
+# A title here
+
+**Learning goals.** When you finish, you can
+
+- count the {term}`KV cache` bytes;
+- read a trace.
+
+**Prerequisites.** Chapter 1 ({ref}`journey-decode`) and {ref}`the preface <preface>`.
+
+```{code-cell} ipython3
+these words are code and do not count
+```
+
+Four more words here.
+"""
+
+
+def test_word_count_leaves_out_front_matter_and_code():
+    # counted by hand: title 3, goals line 7, goals 6 + 3, prerequisites 10 (a role's
+    # name counts as a word), last line 4
+    assert timing.word_count(PAGE) == 33
+    assert timing.word_count(PAGE.replace("do not count", "x x x x x")) == 33
+    assert timing.word_count(PAGE + "one two three") == 36
+
+
+@pytest.mark.parametrize(
+    ("words", "minutes"), [(1, 5), (1000, 5), (1001, 10), (2000, 10), (2001, 15)]
+)
+def test_reading_minutes_round_up_to_five(words, minutes):
+    assert timing.reading_minutes("word " * words, words_per_minute=200) == minutes
+
+
+def test_reading_rate_must_be_positive():
+    with pytest.raises(ValueError, match="words_per_minute"):
+        timing.reading_minutes("a b c", words_per_minute=0)
+
+
+def test_goals_prerequisites_and_title_are_read_from_the_top():
+    assert timing.title(PAGE) == "A title here"
+    assert timing.learning_goals(PAGE) == ["count the {term}`KV cache` bytes", "read a trace"]
+    assert timing.plain(timing.learning_goals(PAGE)[0]) == "count the KV cache bytes"
+    assert timing.plain(timing.prerequisites(PAGE)) == "Chapter 1 and the preface."
+    assert timing.learning_goals("no goals") == [] and timing.prerequisites("none") == ""
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "solutions").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_points_are_the_sum_of_the_graded_markers(path):
+    cells = json.loads(path.read_text())["cells"]
+    sources = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    by_hand = sum(int(m) for s in sources for m in re.findall(r"GRADED: (\d+) points?", s))
+    assert by_hand > 0
+    assert timing.solution_points(path) == by_hand
+
+
+def test_every_solution_has_a_measured_time_from_a_clean_run():
+    data = timing.load_times(ROOT)
+    assert data["machine"]["cpu"] and data["date"]
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        entry = data["notebooks"].get(path.stem)
+        assert entry is not None, (
+            f"{path.stem} has no measured time: run python -m {timing.__name__}"
+        )
+        assert entry["seconds"] > 0 and entry["failed_cells"] == []
+
+
+def test_timing_names_unknown_solutions():
+    with pytest.raises(ValueError, match="no solution notebook"):
+        timing.record_times(ROOT, ["ch99_nothing"])
+
+
+def test_the_guide_is_in_the_reference_part_before_the_glossary():
+    pages = toc_files()
+    assert pages.index("book/instructors") == pages.index("book/glossary") - 1
