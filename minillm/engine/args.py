@@ -97,6 +97,9 @@ class EngineArgs:
     # speculative decoding, vLLM's dict: {"method": "draft_model" | "ngram", "model": ...,
     # "num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...}
     speculative_config: dict | SpeculativeConfig | None = None
+    # vLLM's async_scheduling: plan step n + 1 and run its forward in a worker thread while
+    # this thread turns step n's tokens into text (LLMEngine._step_async says what overlaps)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is None:
@@ -122,6 +125,7 @@ class EngineArgs:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        _check_async_scheduling(self)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"
@@ -343,6 +347,23 @@ def _check_kv_cache_and_invariance(args: EngineArgs) -> None:
             )
     if args.batch_invariant and args.quantization is not None:
         raise ValueError("batch_invariant=True needs float weights; it cannot use quantization")
+
+
+def _check_async_scheduling(args: EngineArgs) -> None:
+    """async_scheduling overlaps one process's forward with its output processing; it is not
+    built for the step loops of speculative decoding or of worker processes."""
+    if not isinstance(args.async_scheduling, bool):
+        raise ValueError(f"async_scheduling must be True or False, got {args.async_scheduling!r}")
+    if not args.async_scheduling:
+        return
+    for name in ("speculative_config", "kv_transfer_config"):
+        if getattr(args, name) is not None:
+            raise ValueError(f"async_scheduling=True cannot be combined with {name}")
+    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
+        raise ValueError(
+            "async_scheduling=True runs on one process; it cannot be combined with "
+            "tensor_parallel_size or pipeline_parallel_size > 1"
+        )
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

@@ -15,6 +15,7 @@ request aborts that request, reports it with its error, and serves the others.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import time
 from collections.abc import Callable, Mapping
 
@@ -172,6 +173,14 @@ class LLMEngine:
             self.runner = self.spec_runner
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats(window=args.stats_window)
+        # async scheduling: the forward of the step planned ahead runs in this thread
+        self.async_scheduling = args.async_scheduling
+        self._forward_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._in_flight: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
+        if self.async_scheduling:
+            self._forward_thread = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="minillm-forward"
+            )
         if on_cuda:
             print(
                 f"minillm: KV cache of {num_blocks:,} blocks x {args.block_size} tokens "
@@ -324,6 +333,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, update the requests, report progress."""
+        if self.async_scheduling:
+            return self._step_async()
         plan = self.scheduler.schedule()
         try:
             sampled = self.runner.execute_model(plan)
@@ -356,6 +367,74 @@ class LLMEngine:
                 self.structured_output_manager.free(seq.request_id)
         return self.output_processor.make_outputs(progressed)
 
+    def _step_async(self) -> list[RequestOutput]:
+        """One iteration with async_scheduling: the step planned ahead comes back, and the
+        next one is planned and started before this one's output is processed.
+
+        What overlaps: step n + 1's forward (and sampling), in a worker thread, with step n's
+        detokenization and stop-string search in this thread (torch releases the GIL inside
+        its ops). What does not: updating the requests with step n's tokens (stop tokens,
+        max_tokens, max_model_len), jump-forward, and planning step n + 1 run before the
+        forward starts, so the plan never refers to a token not yet sampled; finishing the
+        requests that reached a stop string, the step's stats and its outputs run after the
+        forward ends, so nothing the forward reads (block tables, grammars) changes under it.
+
+        The price, as with vLLM's async scheduling: a request that reaches a stop string in
+        step n is already in step n + 1's batch. Its extra token is computed and dropped (the
+        scheduler skips finished requests), so the outputs are those of the engine without
+        the option; only the batches differ by that row.
+        """
+        if self._in_flight is None:
+            plan = self.scheduler.schedule()
+            self._in_flight = (plan, self._start_forward(plan))
+        plan, future = self._in_flight
+        self._in_flight = None
+        sampled = self._forward_result(plan, future)
+        progressed = self.scheduler.update_from_output(plan, sampled)
+        if self.enable_jump_forward:
+            self._jump_forward(progressed)
+        if self.scheduler.has_unfinished_requests():
+            next_plan = self.scheduler.schedule()
+            self._in_flight = (next_plan, self._start_forward(next_plan))
+        stopped, failed = self.output_processor.detokenize(progressed)  # overlaps the forward
+        if self._in_flight is not None:
+            concurrent.futures.wait([self._in_flight[1]])
+        self._finish_stopped(stopped, failed)
+        self.stats.record_step(plan, self.scheduler, self.kv_cache_manager)
+        for seq in progressed:
+            if seq.is_finished:
+                self.structured_output_manager.free(seq.request_id)
+        return self.output_processor.make_outputs(progressed)
+
+    def _start_forward(self, plan: SchedulerOutput) -> concurrent.futures.Future:
+        return self._forward_thread.submit(self.runner.execute_model, plan)
+
+    def _forward_result(self, plan: SchedulerOutput, future: concurrent.futures.Future) -> dict:
+        """The tokens of a forward started by _start_forward; a failed batch is re-run one
+        request at a time, in this thread, as `step` does."""
+        try:
+            return future.result()
+        except Exception as error:  # noqa: BLE001 - isolated per request, then reported
+            return self._run_one_by_one(plan, error)
+        except BaseException:
+            self.scheduler.requeue(plan)
+            raise
+
+    def _finish_stopped(self, stopped: list, failed: list) -> None:
+        """Finish what the output processor found: stop strings reached, text that failed."""
+        for seq, message in failed:
+            state = self.output_processor.state_of_seq.get(seq.request_id)
+            if state is not None:
+                self.abort_request(state.request_id, error=message)
+        for seq, stop_str in stopped:
+            if seq.is_finished:  # stopped on length in the same step, or aborted
+                if seq.status != RequestStatus.FINISHED_ABORTED:
+                    seq.status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+            else:
+                self.scheduler.finish_requests(
+                    [seq.request_id], RequestStatus.FINISHED_STOPPED, stop_str
+                )
+
     def _jump_forward(self, progressed: list) -> None:
         """Jump-forward decoding: where a constrained request's grammar forces the next text,
         append its tokens now. The next step computes them in one forward, as a chunk, and
@@ -383,9 +462,12 @@ class LLMEngine:
                 seq.append_output_token(token_id, None)
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a multi-process engine (nothing to do otherwise)."""
+        """Stop the worker processes of a multi-process engine, or the forward thread of
+        async scheduling (nothing to do otherwise)."""
         if self.executor is not None:
             self.executor.shutdown()
+        if self._forward_thread is not None:
+            self._forward_thread.shutdown(wait=True)
 
     def spec_decode_stats(self) -> SpecDecodingStats | None:
         """Speculative decoding's counters since the engine started (None without it)."""
