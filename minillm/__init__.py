@@ -19,14 +19,16 @@ _EXPORTS = {
     "EngineArgs": "minillm.engine.args",
     "RequestOutput": "minillm.outputs",
     "CompletionOutput": "minillm.outputs",
+    "LoRARequest": "minillm.lora.request",
 }
 __all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput"]
-__all__ += ["StructuredOutputsParams", "BeamSearchParams"]
+__all__ += ["StructuredOutputsParams", "BeamSearchParams", "LoRARequest"]
 
 if TYPE_CHECKING:
     from minillm.engine.args import EngineArgs
     from minillm.engine.llm_engine import LLMEngine
     from minillm.llm import LLM
+    from minillm.lora.request import LoRARequest
     from minillm.outputs import CompletionOutput, RequestOutput
     from minillm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from minillm.engine.args import EngineArgs
 from minillm.engine.beam_search import BeamSearchOutput, beam_search
 from minillm.engine.llm_engine import LLMEngine, Prompt
+from minillm.lora.request import LoRARequest
 from minillm.model.tokenizer import Tokenizer
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import BeamSearchParams, SamplingParams
@@ -70,6 +71,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt; returns their outputs in the order of the prompts.
 
@@ -77,9 +79,19 @@ class LLM:
         or a sequence of them. sampling_params: one for all prompts, or one per prompt
         (default SamplingParams()). priority: one value per prompt, for an engine with
         scheduling_policy="priority" (lower values first). A request the engine had to abort
-        comes back finished with finish_reason "abort" and its `error`.
+        comes back finished with finish_reason "abort" and its `error`. lora_request: the
+        LoRA adapter for all prompts, or one (or None) per prompt (enable_lora=True).
         """
         prompts = as_prompt_list(prompts)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_requests = [lora_request] * len(prompts)
+        else:
+            lora_requests = list(lora_request)
+            if len(lora_requests) != len(prompts):
+                raise ValueError(
+                    f"got {len(lora_requests)} lora_requests for {len(prompts)} prompts; "
+                    "give one for all or one per prompt"
+                )
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
@@ -92,7 +104,7 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                     "give one for all or one per prompt"
                 )
-        request_ids = self._add_requests(prompts, params_list, priorities)
+        request_ids = self._add_requests(prompts, params_list, priorities, lora_requests)
         try:
             return self._run_until_finished(request_ids, use_tqdm)
         finally:
@@ -119,15 +131,24 @@ class LLM:
         )
 
     def _add_requests(
-        self, prompts: list[Prompt], params_list: list[SamplingParams], priorities: list[int]
+        self,
+        prompts: list[Prompt],
+        params_list: list[SamplingParams],
+        priorities: list[int],
+        lora_requests: list[LoRARequest | None] | None = None,
     ) -> list[str]:
         """Queue all prompts, or none: a bad prompt withdraws the ones queued before it."""
         request_ids: list[str] = []
+        loras = [None] * len(prompts) if lora_requests is None else lora_requests
         with self._lock:
             try:
-                for prompt, params, priority in zip(prompts, params_list, priorities, strict=True):
+                for prompt, params, priority, lora in zip(
+                    prompts, params_list, priorities, loras, strict=True
+                ):
                     request_id = str(next(self._request_counter))
-                    self.engine.add_request(request_id, prompt, params, priority=priority)
+                    self.engine.add_request(
+                        request_id, prompt, params, priority=priority, lora_request=lora
+                    )
                     self._queues[request_id] = collections.deque()
                     request_ids.append(request_id)
             except BaseException:

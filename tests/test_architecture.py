@@ -21,8 +21,8 @@ SERVING += ("minillm.distributed",)
 OFF_THE_SERVING_PATH = ("minillm.lab", "minillm.course", "minillm.training", "minillm.cli")
 # a layer imports only what is listed for it (besides itself)
 LAYERS = {
-    "minillm.core": ("minillm.sampling_params", "minillm.outputs"),
-    "minillm.model": ("kernels",),
+    "minillm.core": ("minillm.sampling_params", "minillm.outputs", "minillm.lora"),
+    "minillm.model": ("kernels", "minillm.lora"),
     "minillm.worker": ("minillm.core", "minillm.model", "minillm.sampling_params", "kernels")
     + ("minillm.outputs",),
     "minillm.distributed": ("minillm.core", "minillm.worker", "minillm.model", "kernels")
@@ -33,10 +33,12 @@ LAYERS = {
     "minillm.structured": ("minillm.model", "minillm.sampling_params"),
     "minillm.engine": ("minillm.core", "minillm.worker", "minillm.model", "minillm.outputs")
     + ("minillm.structured",)
-    + ("minillm.sampling_params", "minillm.distributed", "minillm.spec"),
+    + ("minillm.sampling_params", "minillm.distributed", "minillm.spec", "minillm.lora"),
     # the HTTP server: the engine and what it hands back, never the book's instruments
     "minillm.serve": ("minillm.engine", "minillm.core", "minillm.model", "minillm.outputs")
     + ("minillm.sampling_params", "minillm.llm"),
+    # LoRARequest (vLLM's vllm.lora.request): a plain value every layer may carry
+    "minillm.lora": (),
     "kernels": (),
 }
 

@@ -34,6 +34,15 @@ class PrefixCacheStats:
     num_hit_tokens: int = 0
 
 
+def root_block_hash(request: Request) -> int | None:
+    """The parent hash of a request's first block: None on the base model; with a LoRA adapter,
+    a hash of its lora_int_id, so that every block hash of the chain names the adapter whose
+    keys and values the block holds (vLLM puts the request's LoRA in each block hash's extra
+    keys). Requests on different adapters never share KV blocks."""
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else hash_block_tokens(None, [-lora.lora_int_id])
+
+
 class KVCacheManager:
     """Per-request block tables with prefix caching, forks and copy-on-write."""
 
@@ -86,6 +95,8 @@ class KVCacheManager:
         """
         if not self.block_pool.enable_prefix_caching:
             return [], 0
+        if self.radix is not None and getattr(request, "lora_request", None) is not None:
+            return [], 0  # the radix tree is keyed by tokens alone: adapters do not share it
         token_ids = request.all_token_ids
         num_lookup_blocks = (len(token_ids) - 1) // self.block_size
         if self.radix is not None:
@@ -94,7 +105,7 @@ class KVCacheManager:
             )
             return self.radix.path_values(node), matched
         computed_blocks: list[KVCacheBlock] = []
-        block_hash = None
+        block_hash = root_block_hash(request)
         for i in range(num_lookup_blocks):
             block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
             block_hash = hash_block_tokens(block_hash, block_tokens)
@@ -198,10 +209,11 @@ class KVCacheManager:
             )
         token_ids = request.all_token_ids
         if self.radix is not None:
-            self._insert_into_tree(token_ids, blocks, block_hashes, num_full_blocks)
+            if getattr(request, "lora_request", None) is None:
+                self._insert_into_tree(token_ids, blocks, block_hashes, num_full_blocks)
             return
         for i in range(len(block_hashes), num_full_blocks):
-            parent_hash = block_hashes[-1] if block_hashes else None
+            parent_hash = block_hashes[-1] if block_hashes else root_block_hash(request)
             block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
             block_hashes.append(hash_block_tokens(parent_hash, block_tokens))
             # a block shared with a fork may already be cached through the other request

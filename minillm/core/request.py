@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass, field
 
 from minillm.core.metrics import RequestMetrics
+from minillm.lora.request import LoRARequest
 from minillm.sampling_params import SamplingParams
 
 
@@ -64,6 +65,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     index: int = 0  # which of the prompt's sampling_params.n completions this sequence is
     priority: int = 0  # scheduling_policy="priority": lower values are served first (vLLM's rule)
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with; None: base model
     all_token_ids: list[int] = field(init=False)  # prompt, then output: the one list of tokens
     # per output token, {token_id: logprob} of the sampled token and the top-n, when asked for
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -81,6 +81,11 @@ class EngineArgs:
     logprobs_mode: str = "raw_logprobs"
     # constrained decoding: append the text a grammar forces without a forward per token
     enable_jump_forward: bool = True
+    # multi-LoRA serving (vLLM's options; minillm.model.lora): requests name an adapter with
+    # a LoRARequest; at most max_loras adapters are held, each of rank <= max_lora_rank
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     # model parallelism over worker processes the engine spawns (minillm.distributed)
     tensor_parallel_size: int = 1  # heads, MLP width and vocabulary split over this many ranks
     pipeline_parallel_size: int = 1  # layers split into this many stages
@@ -173,6 +178,7 @@ class EngineArgs:
                 )
         if self.kv_transfer_config is not None:
             self._check_kv_transfer()
+        _check_lora(self)
         if self.quantization is not None and self.parallel_config().world_size > 1:
             raise ValueError(
                 "quantization runs on one process; it cannot be combined with "
@@ -323,6 +329,24 @@ def device_free_bytes(device: torch.device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None  # not a POSIX system: no limit known
+
+
+def _check_lora(args: EngineArgs) -> None:
+    """enable_lora applies the adapters inside one process's model runner."""
+    if not isinstance(args.enable_lora, bool):
+        raise ValueError(f"enable_lora must be True or False, got {args.enable_lora!r}")
+    _check_int("max_loras", args.max_loras, minimum=1)
+    _check_int("max_lora_rank", args.max_lora_rank, minimum=1)
+    if not args.enable_lora:
+        return
+    for name in ("speculative_config", "kv_transfer_config", "quantization"):
+        if getattr(args, name) is not None:
+            raise ValueError(f"enable_lora=True cannot be combined with {name}")
+    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
+        raise ValueError(
+            "enable_lora=True runs on one process; it cannot be combined with "
+            "tensor_parallel_size or pipeline_parallel_size > 1"
+        )
 
 
 def _check_kv_cache_and_invariance(args: EngineArgs) -> None:

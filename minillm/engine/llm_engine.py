@@ -35,8 +35,10 @@ from minillm.engine.args import (
 )
 from minillm.engine.metrics import EngineStats
 from minillm.engine.output_processor import OutputProcessor
+from minillm.lora.request import LoRARequest
 from minillm.model.config import torch_dtype
 from minillm.model.loader import load_model, resolve_device
+from minillm.model.lora import LoRAManager
 from minillm.model.moe import require_moe, routing_recorder
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
@@ -123,6 +125,12 @@ class LLMEngine:
             self.tokenizer, self.config.vocab_size
         )
         self.enable_jump_forward = args.enable_jump_forward
+        # multi-LoRA: adapters beside the base weights, applied per row by the model runner
+        self.lora_manager = (
+            LoRAManager(loaded.model, args.max_loras, args.max_lora_rank)
+            if args.enable_lora
+            else None
+        )
         self.parallel_config = parallel
         self.executor: MultiprocExecutor | None = None
         if distributed:
@@ -159,6 +167,7 @@ class LLMEngine:
                 args.block_size,
                 CUDAGraphConfig(args.max_num_seqs, self.max_model_len) if use_graphs else None,
                 kv_cache_dtype=dtype,
+                lora_manager=self.lora_manager,
             )
         # what runs each step: the model runner, or speculative decoding around it
         self.runner = self.model_runner
@@ -194,6 +203,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a prompt (text, token ids, or vLLM's prompt dicts). Raises ValueError, and
         queues nothing, when the prompt or the options cannot be served; the requests in
@@ -201,6 +211,9 @@ class LLMEngine:
 
         priority: with scheduling_policy="priority", lower values are served first (vLLM's
         convention); any other policy accepts only the default 0.
+
+        lora_request: the LoRA adapter to run it with (an engine with enable_lora=True); the
+        adapter is loaded here the first time it is named.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -217,6 +230,7 @@ class LLMEngine:
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._check_prompt(prompt_token_ids)
         self._check_params(params)
+        self._check_lora_request(lora_request)
         seq_ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
         if self.output_processor.is_in_use(request_id, seq_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -231,6 +245,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 index=index,
                 priority=priority,
+                lora_request=lora_request,
             )
             for index, seq_id in enumerate(seq_ids)
         ]
@@ -243,6 +258,21 @@ class LLMEngine:
             self._jump_forward(seqs)
         self.output_processor.add_request(request_id, prompt_text, seqs)
         self.scheduler.add_request(seqs[0])
+
+    def _check_lora_request(self, lora_request: LoRARequest | None) -> None:
+        """A LoRARequest needs enable_lora; its adapter is loaded (and checked) now."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}"
+            )
+        if self.lora_manager is None:
+            raise ValueError(
+                f"lora_request {lora_request.lora_name!r} needs an engine made with "
+                "enable_lora=True"
+            )
+        self.lora_manager.add_lora(lora_request)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):

@@ -24,6 +24,7 @@ from minillm.core.scheduler import ScheduledRequest, SchedulerOutput
 from minillm.model.attention import AttentionMetadata
 from minillm.model.config import ModelConfig
 from minillm.model.llama import LlamaForCausalLM
+from minillm.model.lora import LoRAManager
 from minillm.outputs import SampledToken
 from minillm.worker.cuda_graphs import CUDAGraphConfig, CUDAGraphRunner
 from minillm.worker.sampler import Sampler, SamplerOutput, SamplingState, make_generator
@@ -115,8 +116,10 @@ class ModelRunner:
         block_size: int,
         cuda_graphs: CUDAGraphConfig | None = None,
         kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype
+        lora_manager: LoRAManager | None = None,  # multi-LoRA: adapters applied per row
     ) -> None:
         self.model = model
+        self.lora_manager = lora_manager
         self.sampler = sampler
         # any weight: a pipeline stage may hold no LM head
         weight = next(model.parameters())
@@ -145,7 +148,19 @@ class ModelRunner:
         if not scheduled:
             return {}
         model_input = prepare_inputs(scheduled, self.block_size, self.device)
-        hidden = self.forward(model_input)
+        if self.lora_manager is not None:
+            # each token row runs with its request's adapter (0: the base model alone)
+            token_lora_ids = [
+                lora_id
+                for chunk in scheduled
+                for lora_id in [lora_int_id(chunk.request)] * chunk.num_new_tokens
+            ]
+            self.lora_manager.set_active(token_lora_ids, self.device)
+        try:
+            hidden = self.forward(model_input)
+        finally:
+            if self.lora_manager is not None:
+                self.lora_manager.clear()
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
         return self.sample(logits, [chunk.sampling_seqs for chunk in scheduled if chunk.samples])
 
@@ -153,7 +168,8 @@ class ModelRunner:
         """Hidden states of the batch: a CUDA graph replay for a decode step when captured."""
         ids, positions, meta = model_input.input_ids, model_input.positions, model_input.meta
         graphs = self.cuda_graph_runner
-        if graphs is not None and graphs.can_run(ids, meta):
+        lora_active = self.lora_manager is not None and self.lora_manager.active
+        if graphs is not None and not lora_active and graphs.can_run(ids, meta):
             return graphs.run(ids, positions, meta)
         return self.model(ids, positions, self.kv_caches, meta)
 
@@ -196,6 +212,11 @@ class ModelRunner:
             params = seq.sampling_params
             self.generators[seq.request_id] = make_generator(params.seed, seq.index, self.device)
         return self.generators[seq.request_id]
+
+
+def lora_int_id(request: Request) -> int:
+    """The id of the request's LoRA adapter, 0 for the base model."""
+    return 0 if request.lora_request is None else request.lora_request.lora_int_id
 
 
 def sampled_logprobs(output: SamplerOutput, i: int, seq: Request) -> dict[int, float] | None:

@@ -111,6 +111,7 @@ def test_package_exports_the_public_api():
         "CompletionOutput",
         "StructuredOutputsParams",
         "BeamSearchParams",
+        "LoRARequest",
     }
     assert EngineArgs().model == DEFAULT_MODEL
     with pytest.raises(AttributeError):

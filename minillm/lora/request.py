@@ -1,0 +1,35 @@
+"""`LoRARequest`: which LoRA adapter a request runs with (vLLM's `vllm.lora.request` class).
+
+A request without one runs on the base model alone. The engine loads an adapter the first
+time a request names it (by `lora_int_id`) and keeps it beside the base weights.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """An adapter by name, a positive integer id unique to it, and its PEFT directory.
+
+    lora_path: a directory holding `adapter_config.json` and `adapter_model.safetensors`,
+    the layout PEFT's `save_pretrained` writes.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str | os.PathLike = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty str, got {self.lora_name!r}")
+        if (
+            isinstance(self.lora_int_id, bool)
+            or not isinstance(self.lora_int_id, int)
+            or self.lora_int_id < 1
+        ):
+            raise ValueError(f"lora_int_id must be an int > 0, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str | os.PathLike) or not str(self.lora_path):
+            raise ValueError(f"lora_path must be the adapter's directory, got {self.lora_path!r}")
