@@ -227,6 +227,9 @@ def test_overlap_bench_times_every_part_and_compares_equal_outputs(model_dir):
     assert sum(breakdown.parts_s.values()) == pytest.approx(breakdown.step_s, rel=1e-6)
     assert 0 < breakdown.hideable_fraction < 1
     assert breakdown.bound_speedup == pytest.approx(1 / (1 - breakdown.hideable_fraction))
+    not_forward = sum(s for name, s in breakdown.parts_s.items() if name != "forward")
+    assert breakdown.cpu_fraction == pytest.approx(not_forward / breakdown.step_s)
+    assert breakdown.cpu_fraction >= breakdown.hideable_fraction
     with pytest.raises(ValueError, match="async_scheduling=False"):
         step_breakdown(EngineArgs(model=model_dir, device="cpu", async_scheduling=True), workload)
 
