@@ -116,10 +116,19 @@ def test_mixed_batch_logits_equal_merged_models(tiny_dir, adapters):
         torch.testing.assert_close(model.forward_causal(ids), base.forward_causal(ids))
 
 
-def test_engine_greedy_tokens_equal_merged_models(tiny_dir, adapters):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_greedy_tokens_equal_merged_models(tiny_dir, adapters, async_scheduling):
     """Through the engine (paged KV cache, continuous batching): a list of per-prompt
-    LoRARequests, mixing both adapters and none, gives each merged model's greedy tokens."""
-    llm = LLM(tiny_dir, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+    LoRARequests, mixing both adapters and none, gives each merged model's greedy tokens,
+    with async scheduling too (the forward runs in another thread)."""
+    llm = LLM(
+        tiny_dir,
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        async_scheduling=async_scheduling,
+    )
     loras = [adapters["attn"][0], None, adapters["all"][0], adapters["all"][0]]
     prompts = PROMPTS + [PROMPTS[0]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
