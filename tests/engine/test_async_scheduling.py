@@ -194,6 +194,34 @@ def test_abort_between_steps_frees_the_request(model_dir):
     engine.shutdown()
 
 
+def test_a_forward_that_fails_in_the_worker_thread_aborts_only_its_request(model_dir, reference):
+    poison = 77
+    engine = make_engine(model_dir, True)
+    forward = engine.model_runner.forward
+
+    def faulty(model_input):  # runs in the forward thread
+        if (model_input.input_ids == poison).any():
+            raise RuntimeError("the device refused this batch")
+        return forward(model_input)
+
+    engine.model_runner.forward = faulty
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(str(i), prompt, GREEDY)
+    engine.add_request("bad", [3, poison, 5], GREEDY)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output
+    assert outputs["bad"].outputs[0].finish_reason == "abort"
+    assert "RuntimeError: the device refused this batch" in outputs["bad"].error
+    for i, prompt in enumerate(PROMPTS[:3]):
+        assert outputs[str(i)].error is None
+        assert outputs[str(i)].outputs[0].token_ids == reference(tuple(prompt), 12)
+    assert engine.kv_cache_manager.req_to_blocks == {}
+    engine.shutdown()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
