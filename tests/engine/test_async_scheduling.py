@@ -159,6 +159,28 @@ def test_stop_strings_found_one_step_late_drop_the_extra_token(model_dir):
     assert async_engine.scheduler.running == [] and async_engine.scheduler.requests == {}
 
 
+def test_structured_outputs_and_jump_forward_are_unchanged(model_dir):
+    from minillm.sampling_params import StructuredOutputsParams
+
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=16,
+            structured_outputs=StructuredOutputsParams(regex="(ab|cd)[0-9]{2,6}x"),
+        ),
+        SamplingParams(
+            temperature=0.8,
+            seed=3,
+            max_tokens=8,
+            structured_outputs=StructuredOutputsParams(choice=["quick brown", "lazy dog"]),
+        ),
+        GREEDY,
+    ]
+    sync, overlapped, _ = both(model_dir, ["the", "a block", "def main"], params)
+    assert overlapped == sync
+    assert overlapped["1"][0][1] in ("quick brown", "lazy dog")
+
+
 def test_streamed_outputs_are_the_same_step_by_step(model_dir):
     """Not only the final texts: every step reports the same deltas in the same order."""
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=["e"])
