@@ -88,3 +88,25 @@ def test_timing_names_unknown_solutions():
 def test_the_guide_is_in_the_reference_part_before_the_glossary():
     pages = toc_files()
     assert pages.index("book/instructors") == pages.index("book/glossary") - 1
+
+
+def test_record_times_runs_each_solution_and_notes_failed_cells(tmp_path):
+    import nbformat
+
+    (tmp_path / "solutions").mkdir()
+    good = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell("import time; time.sleep(0.3)")]
+    )
+    bad = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("1 / 0")]
+    )
+    nbformat.write(good, tmp_path / "solutions" / "ch01_good.ipynb")
+    nbformat.write(bad, tmp_path / "solutions" / "ch02_bad.ipynb")
+    data = timing.record_times(tmp_path)
+    assert data["notebooks"]["ch01_good"]["seconds"] >= 0.3
+    assert data["notebooks"]["ch01_good"]["failed_cells"] == []
+    assert data["notebooks"]["ch02_bad"]["failed_cells"] == [1]
+    assert timing.load_times(tmp_path) == data
+    # timing one keeps the others' entries
+    again = timing.record_times(tmp_path, ["ch01_good"])
+    assert again["notebooks"]["ch02_bad"] == data["notebooks"]["ch02_bad"]
