@@ -65,6 +65,21 @@ def expected_accepted_length(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def alpha_from_tokens_per_round(tokens_per_round: float, k: int) -> float:
+    """The alpha at which k independent drafts would yield `tokens_per_round` tokens a round
+    (the inverse of expected_accepted_length, by bisection; it increases with alpha)."""
+    if not 1 <= tokens_per_round <= k + 1:
+        raise ValueError(f"tokens_per_round must be in [1, {k + 1}], got {tokens_per_round!r}")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        if expected_accepted_length(mid, k) < tokens_per_round:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
 def speedup(alpha: float, k: int, draft_cost: float) -> float:
     """Leviathan et al.'s expected speed-up over the target alone: the tokens of one
     verification over its cost, k draft steps of `draft_cost` (a draft step's time over a

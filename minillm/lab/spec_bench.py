@@ -13,8 +13,8 @@ tokens per verification predicted from the measured acceptance rate alpha,
 (1 - alpha^(k+1)) / (1 - alpha), which assumes each draft is accepted independently with
 probability alpha.
 
-The functions here are the model the chapter uses: `expected_tokens_per_round(alpha, k)`, its
-inverse `alpha_from_tokens_per_round(tokens, k)` and `expected_speedup(alpha, k, draft_cost)`.
+The model it checks is chapter 7's, in `minillm.lab.decoding`: `expected_accepted_length(alpha,
+k)` and its inverse `alpha_from_tokens_per_round(tokens, k)`.
 Measured tokens per round exceed the prediction at the measured alpha when acceptances are
 correlated (a draft that got the first token right tends to get the next right too), which is
 what the per-position rates show.
@@ -26,6 +26,8 @@ import argparse
 import json
 import statistics
 import time
+
+from minillm.lab.decoding import alpha_from_tokens_per_round, expected_accepted_length
 
 # Python code from the models' domain (the standard library's style)
 CODE_PROMPTS = [
@@ -51,41 +53,6 @@ REPETITIVE_PROMPTS = [
     "self.assertEqual(a, 1)\nself.assertEqual(b, 2)\nself.assertEqual(c, 3)\nself.assertEqual(",
     "x = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,",
 ]
-
-
-def expected_tokens_per_round(alpha: float, k: int) -> float:
-    """Tokens one verification round yields when each of k drafts is accepted independently
-    with probability alpha: 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)."""
-    if not 0 <= alpha <= 1:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"k must be an int >= 0, got {k!r}")
-    if alpha == 1:
-        return float(k + 1)
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-def alpha_from_tokens_per_round(tokens_per_round: float, k: int) -> float:
-    """The alpha at which k independent drafts would yield `tokens_per_round` tokens a round
-    (the inverse of expected_tokens_per_round, by bisection; it increases with alpha)."""
-    if not 1 <= tokens_per_round <= k + 1:
-        raise ValueError(f"tokens_per_round must be in [1, {k + 1}], got {tokens_per_round!r}")
-    low, high = 0.0, 1.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        if expected_tokens_per_round(mid, k) < tokens_per_round:
-            low = mid
-        else:
-            high = mid
-    return (low + high) / 2
-
-
-def expected_speedup(alpha: float, k: int, draft_cost: float) -> float:
-    """Speed-up over the target alone when a draft forward costs `draft_cost` target forwards
-    and verifying k + 1 positions costs one: tokens per round over (k * draft_cost + 1)."""
-    if draft_cost < 0:
-        raise ValueError(f"draft_cost must be >= 0, got {draft_cost!r}")
-    return expected_tokens_per_round(alpha, k) / (k * draft_cost + 1)
 
 
 SYSTEMS = {
@@ -122,7 +89,7 @@ def stats_record(stats, k: int) -> dict:
         "acceptance_rate_per_pos": stats.acceptance_rate_per_pos,
         "mean_acceptance_length": stats.mean_acceptance_length,
         "tokens_per_target_forward": stats.tokens_per_target_forward,
-        "predicted_tokens_per_round": expected_tokens_per_round(alpha, k),
+        "predicted_tokens_per_round": expected_accepted_length(alpha, k),
         # the alpha that independent drafts would need to give the measured tokens per round
         "alpha_fitted": alpha_from_tokens_per_round(stats.mean_acceptance_length, k)
         if stats.num_drafts

@@ -1,5 +1,5 @@
-"""The speed-up model the benchmark and the chapter use, against an enumeration of every
-acceptance pattern."""
+"""The speed-up model the benchmark and chapter 7 use (minillm.lab.decoding), against an
+enumeration of every acceptance pattern."""
 
 from __future__ import annotations
 
@@ -9,11 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm.lab.spec_bench import (
-    alpha_from_tokens_per_round,
-    expected_speedup,
-    expected_tokens_per_round,
-)
+from minillm.lab.decoding import alpha_from_tokens_per_round, expected_accepted_length, speedup
 
 
 def enumerated_tokens_per_round(alpha: float, k: int) -> float:
@@ -31,22 +27,22 @@ def enumerated_tokens_per_round(alpha: float, k: int) -> float:
 
 @given(alpha=st.floats(0, 1), k=st.integers(0, 7))
 def test_tokens_per_round_matches_the_enumeration(alpha, k):
-    assert expected_tokens_per_round(alpha, k) == pytest.approx(
+    assert expected_accepted_length(alpha, k) == pytest.approx(
         enumerated_tokens_per_round(alpha, k), rel=1e-9, abs=1e-12
     )
 
 
 def test_known_values_and_the_speedup():
-    assert expected_tokens_per_round(0.0, 4) == 1.0
-    assert expected_tokens_per_round(1.0, 4) == 5.0
-    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
+    assert expected_accepted_length(0.0, 4) == 1.0
+    assert expected_accepted_length(1.0, 4) == 5.0
+    assert expected_accepted_length(0.5, 2) == pytest.approx(1.75)
     # free drafts: the speed-up is the tokens per round; a draft as dear as the target: less
-    assert expected_speedup(0.8, 4, 0.0) == pytest.approx(expected_tokens_per_round(0.8, 4))
-    assert expected_speedup(0.8, 4, 1.0) == pytest.approx((1 - 0.8**5) / 0.2 / 5)
+    assert speedup(0.8, 4, 0.0) == pytest.approx(expected_accepted_length(0.8, 4))
+    assert speedup(0.8, 4, 1.0) == pytest.approx((1 - 0.8**5) / 0.2 / 5)
     with pytest.raises(ValueError, match="alpha"):
-        expected_tokens_per_round(1.5, 2)
+        expected_accepted_length(1.5, 2)
     with pytest.raises(ValueError, match="draft_cost"):
-        expected_speedup(0.5, 2, -1)
+        speedup(0.5, 2, -1)
 
 
 @given(alpha=st.floats(0, 1), k=st.integers(1, 6))
