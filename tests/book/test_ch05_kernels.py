@@ -19,13 +19,26 @@ from .conftest import ROOT
 from .exercise_checks import ExerciseChecks
 
 
-def online(rescale_acc=True, rescale_sum=True, subtract_max=True, keep_last=True, scaled=True):
+def float64_scalar(x):
+    """The right lse as a 0-d float64 tensor, not a Python float."""
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def online(
+    rescale_acc=True,
+    rescale_sum=True,
+    subtract_max=True,
+    keep_last=True,
+    scaled=True,
+    first_max=-math.inf,
+    lse_type=float,
+):
     """The online softmax with one thing left out."""
 
     def online_attention(q, k, v, block_size):
         scale = 1 / math.sqrt(q.shape[0]) if scaled else 1.0
         n = k.shape[0] if keep_last else k.shape[0] - k.shape[0] % block_size
-        m, total = -math.inf, 0.0
+        m, total = first_max, 0.0
         acc = torch.zeros_like(q)
         for start in range(0, n, block_size):
             s = (k[start : start + block_size] @ q) * scale
@@ -37,9 +50,15 @@ def online(rescale_acc=True, rescale_sum=True, subtract_max=True, keep_last=True
             m = m_new
         if total == 0.0:
             return torch.full_like(q, math.nan), math.nan
-        return acc / total, m + math.log(total)
+        return acc / total, lse_type(m + math.log(total))
 
     return online_attention
+
+
+def whole_softmax(q, k, v, block_size):
+    """Right values, computed over all the keys at once: block_size is ignored."""
+    scores = (k @ q) / math.sqrt(q.shape[0])
+    return torch.softmax(scores, dim=0) @ v, torch.logsumexp(scores, dim=0).item()
 
 
 def blockwise_average(q, k, v, block_size):
@@ -52,7 +71,7 @@ def blockwise_average(q, k, v, block_size):
     return torch.stack(outs).mean(0), torch.logsumexp(scores, dim=0).item()
 
 
-def merge(weights, lse_of=None, guard_empty=True):
+def merge(weights, lse_of=None, guard_empty=True, lse_type=float):
     """A merge with the given weights; lse_of(lses, weights) replaces the right lse."""
 
     def merge_partials(outs, lses):
@@ -62,7 +81,7 @@ def merge(weights, lse_of=None, guard_empty=True):
         w = weights(lses, top)
         out = (w[:, None] * outs).sum(0) / w.sum()
         lse = top + math.log(torch.exp(lses - top).sum().item()) if lse_of is None else lse_of(lses)
-        return out, lse
+        return out, lse_type(lse)
 
     return merge_partials
 
@@ -140,7 +159,9 @@ def inverted_speedup(m, n, k, group_size, peak, bandwidth):
     return max(compute_s, right_w4_bytes(m, n, k, group_size) / bandwidth) / bf16_s
 
 
-def occupancy_with(reserved=True, round_registers=True, program_limit=True, per_program=False):
+def occupancy_with(
+    reserved=True, round_registers=True, program_limit=True, per_program=False, reserve_once=False
+):
     def programs_per_sm(compute_capability, num_warps, shared_bytes, registers_per_thread):
         arch = ARCH_LIMITS[compute_capability]
         limits = [arch.max_warps_per_sm // num_warps]
@@ -148,7 +169,10 @@ def occupancy_with(reserved=True, round_registers=True, program_limit=True, per_
             limits.append(arch.max_programs_per_sm)
         if shared_bytes:
             extra = arch.reserved_shared_memory_per_program if reserved else 0
-            limits.append(arch.shared_memory_per_sm // (shared_bytes + extra))
+            if reserve_once:
+                limits.append((arch.shared_memory_per_sm - extra) // shared_bytes)
+            else:
+                limits.append(arch.shared_memory_per_sm // (shared_bytes + extra))
         if registers_per_thread:
             unit = arch.register_allocation_unit if round_registers else 1
             if per_program:
@@ -186,6 +210,23 @@ def timed_steps(engine, num_steps, warm_up=True):
         engine.step()
         times.append(time.perf_counter() - start)
     return times
+
+
+def made_up_time(engine, num_steps):
+    for _ in range(num_steps + 1):
+        engine.step()
+    return 0.015
+
+
+def time_between_steps(engine, num_steps):
+    """Times the gap after each step, not the step itself."""
+    engine.step()
+    best = math.inf
+    for _ in range(num_steps):
+        engine.step()
+        start = time.perf_counter()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def warm_up_included(engine, num_steps):
@@ -236,6 +277,9 @@ WRONG_ANSWERS = {
         "each block normalized, then averaged": blockwise_average,
         "last partial block dropped": online(keep_last=False),
         "no 1/sqrt(d) scale": online(scaled=False),
+        "all the keys at once, not block by block": whole_softmax,
+        "running max started at 0, not -inf": online(first_max=0.0),
+        "lse as a 0-d tensor": online(lse_type=float64_scalar),
     },
     "merge_partials": {
         "plain average": merge(lambda lses, top: torch.ones_like(lses)),
@@ -246,6 +290,9 @@ WRONG_ANSWERS = {
         ),
         "lse = the largest lse": merge(
             lambda lses, top: torch.exp(lses - top), lse_of=lambda lses: lses.max().item()
+        ),
+        "lse as a 0-d tensor": merge(
+            lambda lses, top: torch.exp(lses - top), lse_type=float64_scalar
         ),
     },
     "attention_bytes": {
@@ -284,6 +331,7 @@ WRONG_ANSWERS = {
         "a scale per weight": w4_bytes_with(lambda n, k, g: n * k),
         "scales of one row only": w4_bytes_with(lambda n, k, g: k // g),
         "a byte per 4-bit weight": w4_bytes_with(lambda n, k, g: n * (k // g), 1),
+        "a float count of bytes": lambda m, n, k, g: float(right_w4_bytes(m, n, k, g)),
     },
     "floor_speedup": {
         "ratio of bytes, compute ignored": speedup_from_bytes,
@@ -294,6 +342,7 @@ WRONG_ANSWERS = {
         "registers not rounded": occupancy_with(round_registers=False),
         "no limit on programs": occupancy_with(program_limit=False),
         "registers rounded per program": occupancy_with(per_program=True),
+        "reserved shared memory once per SM": occupancy_with(reserve_once=True),
     },
     "ops_per_decode_step": {
         "distinct operation names": distinct_op_names,
@@ -310,6 +359,8 @@ WRONG_ANSWERS = {
         "mean, not the fastest": lambda engine, n: sum(timed_steps(engine, n)) / n,
         "no warm-up step": lambda engine, n: min(timed_steps(engine, n, warm_up=False)),
         "warm-up step timed too": warm_up_included,
+        "a made-up time": made_up_time,
+        "the gap between steps timed": time_between_steps,
     },
     "fixed_cost_share": {
         "step time over fixed cost": lambda n, cost, step: step / (n * cost),
