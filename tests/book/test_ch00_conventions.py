@@ -15,6 +15,7 @@ WRONG_ANSWERS = {
         "bits instead of bytes": lambda n: 16 * n,
         "float32 bytes": lambda n: 4 * n,
         "one byte per weight": lambda n: n,
+        "a float": lambda n: n * 2.0,
     },
     "to_gb_and_gib": {
         "both decimal": lambda b: (b / 1e9, b / 1e9),
@@ -34,6 +35,7 @@ WRONG_ANSWERS = {
         "bytes, not elements": lambda g: g * 2**30,
         "divided by 16 bits": lambda g: g * 2**30 // 16,
         "1024 * 1000 * 1000": lambda g: g * 1024 * 1000 * 1000 // 2,
+        "a float": lambda g: g * 2**30 / 2,
     },
     "decode_rates": {
         "seconds per token": lambda n, d: (n / d, d / n),
