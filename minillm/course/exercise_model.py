@@ -44,6 +44,7 @@ STUB_RAISE = 'raise NotImplementedError("replace this line with your solution")'
 STUB_LINES = ("# YOUR CODE HERE", STUB_RAISE)
 METADATA_KEY = "minillm"
 TIMING_TAG = "timing"  # a check cell with this tag runs alone when grading in parallel
+NETWORK_TAG = "network"  # a check cell with this tag may open TCP sockets (collectives on loopback)
 
 _HEADING = re.compile(r"^#+\s*Exercise\s+(\d+)\s*[:.]?\s*(.*?)\s*(?:\(\d+\s+points?\))?\s*$")
 _HEADING_NUMBER = re.compile(r"\bExercise\s+\d+")
@@ -138,6 +139,7 @@ class Exercise:
     check_source: str
     statement: str  # the markdown cells from its heading to its check, joined ("": no heading)
     timing: bool  # the check measures time: it runs alone
+    network: bool = False  # the check starts processes that talk over TCP (torch.distributed)
 
     @property
     def label(self) -> str:
@@ -298,6 +300,7 @@ def parse_exercises(nb: nbformat.NotebookNode) -> ExerciseSet:
                     check_source=cell.source,
                     statement="\n\n".join(statement),
                     timing=TIMING_TAG in cell.metadata.get("tags", []),
+                    network=NETWORK_TAG in cell.metadata.get("tags", []),
                 )
             )
             steps.append(Step("check", index, python_source(cell.source), len(exercises) - 1))

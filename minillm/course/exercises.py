@@ -43,7 +43,9 @@ the next code cell, starting with `# GRADED: N points`, checks it. Only graded c
 call the student's functions, so that the released notebook fails exactly at its graded
 cells, and a check may use what setup cells and answer cells define but not what an
 earlier check defines (grading runs each check on its own). A check that measures time
-carries the cell tag `timing`, so that parallel grading runs it alone.
+carries the cell tag `timing`, so that parallel grading runs it alone; one whose processes
+talk over TCP (torch.distributed on loopback) carries `network`, which the grader's
+confinement then allows.
 `minillm exercises execute` runs the solution notebooks and stores their outputs.
 """
 

@@ -301,7 +301,12 @@ def _run_group(
         job = {
             "steps": [dataclasses.asdict(s) for s in exercises.steps],
             "exercises": [
-                {"number": ex.number, "functions": list(ex.functions), "timing": ex.timing}
+                {
+                    "number": ex.number,
+                    "functions": list(ex.functions),
+                    "timing": ex.timing,
+                    "network": ex.network,
+                }
                 for ex in exercises.exercises
             ],
             "submissions": payload,

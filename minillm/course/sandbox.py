@@ -10,7 +10,8 @@ line a student wrote. At each check cell it forks, for each submission, a child 
 1. moves into a fresh folder holding a copy of the files beside the submission, and, where
    Linux's Landlock is available, confines itself so that it can write only there, read
    only the Python installation, the installed packages and system folders, open no
-   network connection, and signal no other process;
+   network connection (unless the check cell carries the tag `network`: its processes talk
+   over TCP), and signal no other process;
 2. takes the student's *definitions* (def, class, import, and assignments of values that
    call no code but a few builtins) from the student's cells up to this exercise, in a
    copy of the namespace, so that the student's functions keep their own globals. Other
@@ -48,6 +49,7 @@ import selectors
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -504,9 +506,11 @@ def read_roots(protected: list[str]) -> list[str]:
     return roots
 
 
-def confine(abi: int, writable: str, readable: list[str]) -> None:
+def confine(abi: int, writable: str, readable: list[str], network: bool = False) -> None:
     """Restrict this process and its children with Landlock (irreversibly).
 
+    With `network`, TCP bind and connect stay allowed (Landlock cannot limit them to the
+    loopback address, only to ports), for checks whose processes talk over torch.distributed.
     Raises OSError when the kernel refuses.
     """
     libc = _libc()
@@ -519,7 +523,7 @@ def confine(abi: int, writable: str, readable: list[str]) -> None:
         handled_fs |= FS_IOCTL_DEV
     attr = _RulesetAttr(handled_fs, 0, 0)
     size = 8
-    if abi >= 4:
+    if abi >= 4 and not network:
         attr.handled_access_net = NET_BIND_TCP | NET_CONNECT_TCP
         size = 16
     if abi >= 6:
@@ -895,10 +899,12 @@ def _child(
         os.chdir(workdir)
         for var in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "MPLCONFIGDIR"):
             os.environ[var] = workdir
+        tempfile.tempdir = workdir  # gettempdir() caches the folder the grader saw
         if "torch" in sys.modules:  # the grading process used OpenMP threads before the fork
             sys.modules["torch"].set_num_threads(1)
         if grader.abi:
-            confine(grader.abi, workdir, grader.readable)
+            network = grader.job["exercises"][k].get("network", False)
+            confine(grader.abi, workdir, grader.readable, network=network)
         # after the fork (which resets some of threading's state), before the student's code
         snapshot = Snapshot(grader.namespace)
         result = _check(grader, submission, k, code, filename, check_source, snapshot)
