@@ -30,6 +30,7 @@ from minillm.outputs import SampledToken
 STARTUP_TIMEOUT_S = 300.0
 # how long ranks get to leave on their own before they are terminated
 SHUTDOWN_GRACE_S = 10.0
+EXIT_WAIT_S = 10.0  # how long a rank whose pipe closed may take to be reaped
 
 
 class WorkerError(RuntimeError):
@@ -105,7 +106,8 @@ class MultiprocExecutor:
         try:
             self.conns[rank].send_bytes(payload)
         except OSError as error:
-            self._fail(f"rank {rank} cannot be reached ({error})")
+            code = self._exit_code(rank)
+            self._fail(f"rank {rank} cannot be reached ({error}, exit code {code})")
 
     def _receive(self, rank: int, timeout_s: float | None):
         """The answer of `rank`, while watching every process: a rank that reports an error
@@ -121,7 +123,7 @@ class MultiprocExecutor:
                     self._answers[other] = value
             for other, process in enumerate(self.processes):
                 if process.sentinel in ready and not self.conns[other].poll():
-                    self._fail(f"rank {other} died (exit code {process.exitcode})")
+                    self._fail(f"rank {other} died (exit code {self._exit_code(other)})")
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(f"rank {rank} did not answer within {timeout_s:.0f} s")
         return self._answers.pop(rank)
@@ -130,8 +132,13 @@ class MultiprocExecutor:
         try:
             return self.conns[rank].recv()
         except (EOFError, OSError):
-            self.processes[rank].join(timeout=1.0)
-            self._fail(f"rank {rank} died (exit code {self.processes[rank].exitcode})")
+            self._fail(f"rank {rank} died (exit code {self._exit_code(rank)})")
+
+    def _exit_code(self, rank: int) -> int | None:
+        """The exit code of a rank whose pipe has closed: it is dying, so wait for the
+        kernel to reap it (on a loaded machine that can take more than a second)."""
+        self.processes[rank].join(timeout=EXIT_WAIT_S)
+        return self.processes[rank].exitcode
 
     def _fail(self, message: str):
         states = "; ".join(
