@@ -1,0 +1,28 @@
+"""Sphinx additions for the minillm book, loaded by _config.yml (local_extensions).
+
+- Each script is written once per page: sphinx-thebe registers its configuration script
+  every time the environment is read, and a page that declares `const THEBE_JS_URL` twice
+  logs a SyntaxError in the reader's console.
+"""
+
+from __future__ import annotations
+
+
+def _dedupe_scripts(app, pagename, templatename, context, doctree):
+    scripts = context.get("script_files")
+    if not scripts:
+        return
+    seen, unique = set(), []
+    for script in scripts:
+        # the same file, or the same inline body, whatever its priority
+        attributes = getattr(script, "attributes", {}) or {}
+        key = (getattr(script, "filename", str(script)), str(attributes.get("body", "")))
+        if key not in seen:
+            seen.add(key)
+            unique.append(script)
+    scripts[:] = unique
+
+
+def setup(app):
+    app.connect("html-page-context", _dedupe_scripts, priority=900)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

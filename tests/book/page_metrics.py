@@ -1,0 +1,226 @@
+"""What a reader sees on each built page, measured in headless Chromium.
+
+`measure(html_dir, pages, width)` serves the built book over HTTP from a thread, loads
+each page in an iframe `width` CSS pixels wide, and returns per page: the title, the
+figures (loaded or not, numbered, captioned, with real alt text), the tables (styled or
+not), the share of the page's height that is visible code, whether the page scrolls
+sideways, and the console errors Chromium logged while loading it.
+
+From the command line, on a built book:
+
+    python -m tests.book.page_metrics _build/html book/03_kv_cache [--width 420]
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import http.server
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--hide-scrollbars",
+    # offline and deterministic: every host but the test's own server fails at once
+    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
+    "--virtual-time-budget=90000",
+    "--enable-logging=stderr",
+    "--v=0",
+    "--dump-dom",
+]
+
+HARNESS = """<!doctype html><html><body><pre id="result">pending</pre><script>
+// The frame's load event waits for its images; one that failed has no natural width.
+// (img.decode() would be a race: virtual time does not wait for the decoder thread.)
+function imageLoaded(img) { return img.complete && img.naturalWidth > 0; }
+function visible(el) { return el.offsetParent !== null && el.getBoundingClientRect().height > 0; }
+function pathLike(alt) { return /\\.(png|svg|jpe?g|gif)$/i.test(alt) || /^[./_a-z0-9-]+$/i.test(alt); }
+function visit(url) {
+  return new Promise((resolve) => {
+    const frame = document.createElement("iframe");
+    frame.style.width = "WIDTHpx"; frame.style.height = "900px";
+    frame.onload = () => {
+      const doc = frame.contentDocument;
+      const article = doc.querySelector("article.bd-article") || doc.querySelector("main") || doc.body;
+      const h1 = doc.querySelector("article h1, main h1, h1");
+      const images = [...article.querySelectorAll("img")];
+      const broken = images.filter((img) => !imageLoaded(img)).map((img) => img.src);
+      const figures = images.map((img) => {
+        const figure = img.closest("figure");
+        const number = figure ? figure.querySelector("figcaption .caption-number") : null;
+        const caption = figure ? figure.querySelector("figcaption .caption-text") : null;
+        const alt = img.getAttribute("alt") || "";
+        return {src: img.getAttribute("src"), numbered: !!number,
+                caption: caption ? caption.textContent.trim() : "",
+                alt: alt, alt_ok: alt.trim().split(/\\s+/).length >= 4 && !pathLike(alt.trim())};
+      });
+      const tables = [...article.querySelectorAll("table")].map((t) => ({
+        styled: t.classList.contains("table") || t.classList.contains("docutils"),
+        scrolls: !!t.closest(".pst-scrollable-table-container") || !!t.closest(".cell_output"),
+        text: t.textContent.trim().slice(0, 60)}));
+      // visible code: code blocks a reader sees (not inside a closed <details>)
+      let codeHeight = 0;
+      for (const block of article.querySelectorAll("div.highlight")) {
+        if (block.parentElement.closest("div.highlight")) continue;
+        if (visible(block)) codeHeight += block.getBoundingClientRect().height;
+      }
+      const articleHeight = article.getBoundingClientRect().height;
+      const text = doc.body ? doc.body.innerText : "";
+      const pageWidth = doc.documentElement.scrollWidth;
+      resolve({url, title: h1 ? h1.textContent.replace(/[#¶]/g, "").trim() : "",
+               images: images.length, broken, figures, tables,
+               code_share: articleHeight ? codeHeight / articleHeight : 0,
+               article_height: articleHeight,
+               page_width: pageWidth, frame_width: WIDTH,
+               errors: doc.querySelectorAll(".traceback, .output.error").length,
+               traceback: text.includes("Traceback (most recent call last)")});
+      frame.remove();
+    };
+    frame.src = url;
+    document.body.appendChild(frame);
+  });
+}
+(async () => {
+  const out = [];
+  for (const url of PAGES) {
+    console.log("minillm-visit " + url);
+    out.push(await visit(url));
+  }
+  document.getElementById("result").textContent = JSON.stringify(out);
+})();
+</script></body></html>"""
+
+CONSOLE_LINE = re.compile(r'CONSOLE[:(]\d+\)?\] "(?P<message>.*)", source: (?P<source>\S*)')
+
+
+def chromium_path() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def serve(html_dir: pathlib.Path, harness: str):
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.startswith("/__check__.html"):
+                body = harness.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            else:
+                super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Handler, directory=str(html_dir))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def console_errors(stderr: str) -> dict[str, list[str]]:
+    """Chromium's logged console messages that are errors, by the page being visited.
+
+    Resources a reader loads from the internet (MathJax from its CDN) cannot load in this
+    offline browser; their failures are not the book's and are left out.
+    """
+    errors: dict[str, list[str]] = {}
+    page = None
+    for line in stderr.splitlines():
+        match = CONSOLE_LINE.search(line)
+        if not match:
+            continue
+        message, source = match.group("message"), match.group("source")
+        if message.startswith("minillm-visit "):
+            page = message.removeprefix("minillm-visit ")
+            continue
+        if page is None:
+            continue
+        offline = "ERR_NAME_NOT_RESOLVED" in message or "ERR_CONNECTION" in message
+        if offline and not source.startswith("http://127.0.0.1"):
+            continue
+        error_like = (
+            "Uncaught" in message
+            or "Error" in message
+            or "Failed to load resource" in message
+        )
+        if error_like:
+            errors.setdefault(page, []).append(f"{message} ({source})")
+    return errors
+
+
+def measure(html_dir: pathlib.Path, pages: list[str], width: int = 1280) -> list[dict]:
+    """Load `pages` (paths without .html) from `html_dir` at `width`; one dict per page."""
+    chromium = chromium_path()
+    if chromium is None:
+        raise RuntimeError(
+            "headless Chromium is needed to check the built book: "
+            "`sudo apt-get install chromium` (Debian/Ubuntu); make test installs it when it may"
+        )
+    urls = [f"/{p}.html" for p in pages]
+    harness = HARNESS.replace("PAGES", json.dumps(urls)).replace("WIDTH", str(width))
+    server = serve(html_dir, harness)
+    try:
+        with tempfile.TemporaryDirectory() as profile:
+            url = f"http://127.0.0.1:{server.server_address[1]}/__check__.html"
+            done = subprocess.run(
+                [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", url],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=True,
+            )
+    finally:
+        server.shutdown()
+    match = re.search(r'<pre id="result">(.*?)</pre>', done.stdout, flags=re.DOTALL)
+    if not match or match.group(1) == "pending":
+        raise RuntimeError("the harness page did not finish")
+    results = json.loads(html.unescape(match.group(1)))
+    errors = console_errors(done.stderr)
+    for result in results:
+        result["console_errors"] = errors.get(result["url"], [])
+    return results
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("html_dir", type=pathlib.Path)
+    parser.add_argument("pages", nargs="+", help="pages without .html, e.g. book/03_kv_cache")
+    parser.add_argument("--width", type=int, default=1280)
+    args = parser.parse_args(argv)
+    for result in measure(args.html_dir.resolve(), args.pages, args.width):
+        bad_figures = [f for f in result["figures"] if not (f["numbered"] and f["alt_ok"])]
+        bad_tables = [t for t in result["tables"] if not (t["styled"] and t["scrolls"])]
+        print(
+            f"{result['url']}: code {result['code_share']:.1%} of "
+            f"{result['article_height']:.0f} px, page width {result['page_width']} "
+            f"in {result['frame_width']}, {len(result['figures'])} figures "
+            f"({len(bad_figures)} without number or alt), {len(result['tables'])} tables "
+            f"({len(bad_tables)} unstyled or not scrolling), "
+            f"console errors {result['console_errors']}"
+        )
+        for figure in bad_figures:
+            print(f"    figure {figure}")
+        for entry in bad_tables:
+            print(f"    table {entry}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
