@@ -33,10 +33,61 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # a mixed batch (decode tokens beside prefill chunks): which rows are which, built on the
+    # host with the rest of the metadata (`split_mixed_batch`); None otherwise
+    mixed: MixedBatchSplit | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+@dataclass(slots=True)
+class MixedBatchSplit:
+    """The decode rows and the prefill rows of a mixed batch, so that a backend can give each
+    its own kernel: one query row per sequence with a long context suits split-KV decoding,
+    a chunk of many rows suits a tiled prefill kernel.
+
+    A sequence with exactly one new token is a decode row (the last, one-token chunk of a
+    chunked prefill is one too: its attention is the same computation).
+    """
+
+    decode_seqs: torch.Tensor  # [num_decodes] int64: the decode sequences' batch indices
+    decode_tokens: torch.Tensor  # [num_decodes] int64: their token's row in the flat batch
+    decode_max_seq_len: int
+    prefill_seqs: torch.Tensor  # [num_prefills] int64
+    prefill_tokens: torch.Tensor  # [num_prefill_tokens] int64: their rows, in batch order
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, over prefill_tokens
+    prefill_max_query_len: int
+
+
+def split_mixed_batch(
+    query_start_loc: list[int], seq_lens: list[int], device: torch.device | str
+) -> MixedBatchSplit | None:
+    """Split a flat batch into its decode rows and its prefill rows; None unless it has both."""
+    query_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)]
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    prefills = [i for i, n in enumerate(query_lens) if n > 1]
+    if not decodes or not prefills:
+        return None
+    prefill_tokens: list[int] = []
+    prefill_start = [0]
+    for i in prefills:
+        prefill_tokens += range(query_start_loc[i], query_start_loc[i + 1])
+        prefill_start.append(len(prefill_tokens))
+
+    def tensor(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return MixedBatchSplit(
+        decode_seqs=tensor(decodes, torch.int64),
+        decode_tokens=tensor([query_start_loc[i] for i in decodes], torch.int64),
+        decode_max_seq_len=max(seq_lens[i] for i in decodes),
+        prefill_seqs=tensor(prefills, torch.int64),
+        prefill_tokens=tensor(prefill_tokens, torch.int64),
+        prefill_query_start_loc=tensor(prefill_start, torch.int32),
+        prefill_max_query_len=max(query_lens[i] for i in prefills),
+    )
 
 
 def write_kv_cache(

@@ -46,15 +46,20 @@ HARNESS = """<!doctype html><html><body><pre id="result">pending</pre><script>
 // The frame's load event waits for its images; one that failed has no natural width.
 // (img.decode() would be a race: virtual time does not wait for the decoder thread.)
 function imageLoaded(img) { return img.complete && img.naturalWidth > 0; }
-function visible(el) { return el.offsetParent !== null && el.getBoundingClientRect().height > 0; }
-function pathLike(alt) { return /\\.(png|svg|jpe?g|gif)$/i.test(alt) || /^[./_a-z0-9-]+$/i.test(alt); }
+function visible(el) {
+  return el.offsetParent !== null && el.getBoundingClientRect().height > 0;
+}
+function pathLike(alt) {
+  return /\\.(png|svg|jpe?g|gif)$/i.test(alt) || /^[./_a-z0-9-]+$/i.test(alt);
+}
 function visit(url) {
   return new Promise((resolve) => {
     const frame = document.createElement("iframe");
     frame.style.width = "WIDTHpx"; frame.style.height = "900px";
     frame.onload = () => {
       const doc = frame.contentDocument;
-      const article = doc.querySelector("article.bd-article") || doc.querySelector("main") || doc.body;
+      const article = doc.querySelector("article.bd-article")
+        || doc.querySelector("main") || doc.body;
       const h1 = doc.querySelector("article h1, main h1, h1");
       const images = [...article.querySelectorAll("img")];
       const broken = images.filter((img) => !imageLoaded(img)).map((img) => img.src);
@@ -154,9 +159,7 @@ def console_errors(stderr: str) -> dict[str, list[str]]:
         if offline and not source.startswith("http://127.0.0.1"):
             continue
         error_like = (
-            "Uncaught" in message
-            or "Error" in message
-            or "Failed to load resource" in message
+            "Uncaught" in message or "Error" in message or "Failed to load resource" in message
         )
         if error_like:
             errors.setdefault(page, []).append(f"{message} ({source})")

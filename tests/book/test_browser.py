@@ -1,71 +1,24 @@
-"""Open every built page in headless Chromium: its title shows, its figures load, no error.
+"""Open every built page in headless Chromium, at desktop and at phone width, and check
+what a reader sees: the title, figures that load and are numbered with a caption and alt
+text, styled tables, no error output, no console errors, no sideways scrolling on a
+420 px phone, and chapters whose visible code stays under a quarter of the page.
 
 Needs Debian's `chromium` (`make test` installs it when it may; by hand:
-`sudo apt-get install chromium`).
-The pages are served over HTTP from a thread, and one harness page loads each of them in
-an iframe and reports what a reader would see, as JSON in its DOM.
+`sudo apt-get install chromium`). The harness is `tests/book/page_metrics.py`.
 """
 
-import functools
-import html
-import http.server
-import json
-import pathlib
 import re
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import nbformat
 import pytest
 
+from . import page_metrics
 from .conftest import source_of, toc_files
 
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    # offline and deterministic: every host but the test's own server fails at once
-    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
-    "--virtual-time-budget=60000",
-    "--dump-dom",
-]
-
-HARNESS = """<!doctype html><html><body><pre id="result">pending</pre><script>
-// The frame's load event waits for its images; one that failed has no natural width.
-// (img.decode() would be a race: virtual time does not wait for the decoder thread.)
-function imageLoaded(img) { return img.complete && img.naturalWidth > 0; }
-function visit(url) {
-  return new Promise((resolve) => {
-    const frame = document.createElement("iframe");
-    frame.style.width = "1280px"; frame.style.height = "900px";
-    frame.onload = () => {
-      const doc = frame.contentDocument;
-      const h1 = doc.querySelector("article h1, main h1, h1");
-      const images = [...doc.querySelectorAll("article img, main img")];
-      const broken = images.filter((img) => !imageLoaded(img)).map((img) => img.src);
-      const text = doc.body ? doc.body.innerText : "";
-      resolve({url, title: h1 ? h1.textContent.replace(/[#¶]/g, "").trim() : "",
-               images: images.length, broken,
-               errors: doc.querySelectorAll(".traceback, .output.error").length,
-               traceback: text.includes("Traceback (most recent call last)")});
-      frame.remove();
-    };
-    frame.src = url;
-    document.body.appendChild(frame);
-  });
-}
-(async () => {
-  const out = [];
-  for (const url of PAGES) out.push(await visit(url));
-  document.getElementById("result").textContent = JSON.stringify(out);
-})();
-</script></body></html>"""
+PHONE_WIDTH = 420
+# the share of a chapter page's height that may be visible code (the rest: prose, figures,
+# tables, the engine's excerpts included in the code)
+MAX_CODE_SHARE = 0.25
 
 
 def expected_title(page: str) -> str:
@@ -88,56 +41,77 @@ def straight_quotes(text: str) -> str:
     )
 
 
-def serve(html_dir: pathlib.Path, harness: str):
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def do_GET(self):
-            if self.path.startswith("/__check__.html"):
-                body = harness.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/html; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-            else:
-                super().do_GET()
-
-        def log_message(self, *args):
-            pass
-
-    handler = functools.partial(Handler, directory=str(html_dir))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+def is_chapter(page: str) -> bool:
+    return re.fullmatch(r"book/\d\d_.+", page) is not None and not page.startswith("book/00")
 
 
-@pytest.mark.browser
-def test_pages_render_in_a_real_browser(html_dir):
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
+@pytest.fixture(scope="module")
+def chromium():
+    if page_metrics.chromium_path() is None:
         pytest.fail(
             "headless Chromium is needed to check the built book: "
             "`sudo apt-get install chromium` (Debian/Ubuntu); make test installs it when it may"
         )
+
+
+@pytest.fixture(scope="module")
+def desktop(html_dir, chromium):
     pages = toc_files()
-    harness = HARNESS.replace("PAGES", json.dumps([f"/{p}.html" for p in pages]))
-    server = serve(html_dir, harness)
-    try:
-        with tempfile.TemporaryDirectory() as profile:
-            url = f"http://127.0.0.1:{server.server_address[1]}/__check__.html"
-            dom = subprocess.run(
-                [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", url],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=True,
-            ).stdout
-    finally:
-        server.shutdown()
-    match = re.search(r'<pre id="result">(.*?)</pre>', dom, flags=re.DOTALL)
-    assert match and match.group(1) != "pending", "the harness page did not finish"
-    results = json.loads(html.unescape(match.group(1)))
-    assert [r["url"] for r in results] == [f"/{p}.html" for p in pages]
-    for page, result in zip(pages, results, strict=True):
+    return dict(zip(pages, page_metrics.measure(html_dir, pages, width=1280), strict=True))
+
+
+@pytest.fixture(scope="module")
+def phone(html_dir, chromium):
+    pages = toc_files()
+    return dict(zip(pages, page_metrics.measure(html_dir, pages, width=PHONE_WIDTH), strict=True))
+
+
+@pytest.mark.browser
+def test_pages_render_in_a_real_browser(desktop):
+    assert list(desktop) == toc_files()
+    for page, result in desktop.items():
+        assert result["url"] == f"/{page}.html"
         assert straight_quotes(result["title"]) == expected_title(page), result
         assert result["broken"] == [], f"{page}: figures that do not load: {result['broken']}"
         assert result["errors"] == 0 and not result["traceback"], f"{page}: error output"
+
+
+@pytest.mark.browser
+def test_no_console_errors(desktop):
+    errors = {page: r["console_errors"] for page, r in desktop.items() if r["console_errors"]}
+    assert errors == {}
+
+
+@pytest.mark.browser
+def test_every_figure_is_numbered_with_a_caption_and_alt_text(desktop):
+    bad = {
+        page: [
+            f["src"] for f in r["figures"] if not (f["numbered"] and f["caption"] and f["alt_ok"])
+        ]
+        for page, r in desktop.items()
+    }
+    assert {page: srcs for page, srcs in bad.items() if srcs} == {}
+    chapters = [page for page in desktop if is_chapter(page)]
+    assert all(desktop[page]["figures"] for page in chapters), "a chapter without a figure"
+
+
+@pytest.mark.browser
+def test_every_table_is_styled_and_scrolls_in_its_own_box(desktop):
+    bad = {
+        page: [t["text"] for t in r["tables"] if not (t["styled"] and t["scrolls"])]
+        for page, r in desktop.items()
+    }
+    assert {page: tables for page, tables in bad.items() if tables} == {}
+
+
+@pytest.mark.browser
+def test_no_page_scrolls_sideways_on_a_phone(phone):
+    wide = {page: r["page_width"] for page, r in phone.items() if r["page_width"] > PHONE_WIDTH}
+    assert wide == {}
+
+
+@pytest.mark.browser
+def test_chapters_show_ideas_not_plumbing(desktop):
+    shares = {page: round(r["code_share"], 3) for page, r in desktop.items() if is_chapter(page)}
+    assert len(shares) == 10
+    assert {page: s for page, s in shares.items() if s >= MAX_CODE_SHARE} == {}

@@ -12,9 +12,16 @@ from hypothesis import strategies as st
 from kernel_testing import ATTENTION_TOLERANCE, DEVICE, DTYPES, assert_close
 from tiny_llama import build_tiny_llama
 
+from kernels.flash_attention import flash_attention
+from kernels.kv_cache import reshape_and_cache
 from minillm.engine.args import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
-from minillm.model.attention import AttentionMetadata, get_attention_backend, torch_paged_attention
+from minillm.model.attention import (
+    AttentionMetadata,
+    get_attention_backend,
+    split_mixed_batch,
+    torch_paged_attention,
+)
 from minillm.model.triton_backend import TritonAttentionBackend
 from minillm.sampling_params import SamplingParams
 
@@ -91,6 +98,113 @@ def test_mixed_batch_through_the_flash_kernel_equals_reference():
     torch.testing.assert_close(
         out, torch_paged_attention(q, kv_cache, meta, 0.125), atol=1e-5, rtol=1e-5
     )
+
+
+class KernelLog:
+    """Wraps the backend's two attention kernels and records the query rows each receives."""
+
+    def __init__(self, monkeypatch):
+        import minillm.model.triton_backend as backend
+
+        self.calls: list[tuple[str, int]] = []
+        for name in ("paged_decode_attention", "flash_attention"):
+            kernel = getattr(backend, name)
+
+            def recorded(q, *args, _kernel=kernel, _name=name, **kwargs):
+                self.calls.append((_name, q.shape[0]))
+                return _kernel(q, *args, **kwargs)
+
+            monkeypatch.setattr(backend, name, recorded)
+
+
+def mixed_meta(meta):
+    """`meta` with the host-built split the model runner attaches to a mixed batch."""
+    meta.mixed = split_mixed_batch(meta.query_start_loc.tolist(), meta.seq_lens.tolist(), DEVICE)
+    return meta
+
+
+@pytest.mark.parametrize("with_split", [True, False])
+def test_decode_rows_of_a_mixed_batch_reach_the_decode_kernel(monkeypatch, with_split):
+    # decode tokens at 30 and 70 cached tokens, a chunk after 17, and a fresh prompt of 12
+    chunks = [(30, 1), (17, 9), (70, 1), (0, 12)]
+    q, k, v, kv_cache, meta = make_batch(chunks, 8, 2, 2, 64, torch.float32, 3)
+    meta = mixed_meta(meta) if with_split else meta
+    log = KernelLog(monkeypatch)
+    written = kv_cache.clone()
+    out = TritonAttentionBackend().forward(q, k, v, written, meta, 0.125)
+    # without the host-built split the backend derives the same one
+    assert log.calls == [("paged_decode_attention", 2), ("flash_attention", 21)]
+    torch.testing.assert_close(
+        out, torch_paged_attention(q, written, meta, 0.125), atol=1e-5, rtol=1e-5
+    )
+    # what one flash launch over the whole batch gave before the split
+    cache = kv_cache.clone()
+    reshape_and_cache(k, v, cache, meta.slot_mapping)
+    q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    single = flash_attention(
+        q,
+        k,
+        v,
+        meta.query_start_loc,
+        meta.max_query_len,
+        0.125,
+        kv_cache=cache,
+        block_tables=meta.block_tables,
+        prefix_lens=(meta.seq_lens - q_lens).to(torch.int32),
+    )
+    torch.testing.assert_close(out, single, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_only_and_prefill_only_batches_launch_one_kernel(monkeypatch):
+    log = KernelLog(monkeypatch)
+    for chunks in ([(30, 1), (5, 1)], [(0, 7), (9, 4)]):
+        q, k, v, kv_cache, meta = make_batch(chunks, 8, 2, 2, 64, torch.float32, 1)
+        TritonAttentionBackend().forward(q, k, v, kv_cache, mixed_meta(meta), 0.125)
+    assert log.calls == [("paged_decode_attention", 2), ("flash_attention", 11)]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 6)), min_size=1, max_size=8))
+def test_split_mixed_batch_against_brute_force(chunks):
+    starts = [0]
+    for _, n in chunks:
+        starts.append(starts[-1] + n)
+    seq_lens = [c + n for c, n in chunks]
+    split = split_mixed_batch(starts, seq_lens, "cpu")
+    decodes = [i for i, (_, n) in enumerate(chunks) if n == 1]
+    prefills = [i for i, (_, n) in enumerate(chunks) if n > 1]
+    if not decodes or not prefills:
+        assert split is None
+        return
+    assert split.decode_seqs.tolist() == decodes
+    assert split.decode_tokens.tolist() == [starts[i] for i in decodes]
+    assert split.decode_max_seq_len == max(seq_lens[i] for i in decodes)
+    assert split.prefill_seqs.tolist() == prefills
+    rows = [t for i in prefills for t in range(starts[i], starts[i + 1])]
+    assert split.prefill_tokens.tolist() == rows
+    # every row of the batch is in exactly one of the two parts
+    assert sorted(rows + split.decode_tokens.tolist()) == list(range(starts[-1]))
+    lens = [chunks[i][1] for i in prefills]
+    assert split.prefill_query_start_loc.tolist() == [sum(lens[:j]) for j in range(len(lens) + 1)]
+    assert split.prefill_max_query_len == max(lens)
+
+
+def test_the_model_runner_attaches_the_split_to_mixed_batches_only():
+    from minillm.worker.model_runner import prepare_inputs
+
+    class Chunk:
+        def __init__(self, tokens, computed, new, blocks):
+            self.request = type("R", (), {"all_token_ids": tokens})()
+            self.num_computed_tokens, self.num_new_tokens = computed, new
+            self.block_ids, self.samples = blocks, True
+
+    mixed = prepare_inputs(
+        [Chunk(list(range(9)), 8, 1, [0, 1]), Chunk(list(range(5)), 0, 5, [2])], 8, "cpu"
+    )
+    assert mixed.meta.mixed.decode_seqs.tolist() == [0]
+    assert mixed.meta.mixed.prefill_tokens.tolist() == [1, 2, 3, 4, 5]
+    decode = prepare_inputs([Chunk(list(range(9)), 8, 1, [0, 1])], 8, "cpu")
+    assert decode.meta.mixed is None
 
 
 @pytest.fixture(scope="module")
