@@ -39,18 +39,7 @@ done
 start=$(date +%s)
 deadline=$((start + budget))
 
-if [ -z "${PYTHON:-}" ]; then  # the first with CUDA; else the first with torch
-    for candidate in .venv/bin/python python3; do
-        command -v "$candidate" >/dev/null || continue
-        if "$candidate" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
-            2>/dev/null; then
-            PYTHON=$candidate
-            break
-        fi
-        [ -z "${PYTHON:-}" ] && "$candidate" -c "import torch" 2>/dev/null && PYTHON=$candidate
-    done
-    PYTHON=${PYTHON:-python3}
-fi
+. scripts/find_python.sh  # (the working directory is the repository root)
 export PYTHONPATH="$PWD${GPU_CHECK_DEPS:+:$GPU_CHECK_DEPS}${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_DEFAULT_FP_FUSION=1
 unset TRITON_INTERPRET  # compile the kernels for the GPU
