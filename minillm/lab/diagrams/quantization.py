@@ -1,0 +1,430 @@
+"""Chapter 6's diagrams: number formats, group scales, int4 packing, SmoothQuant, GPTQ and
+the FP8 KV cache, each drawn from the engine's own definitions and tensors.
+
+- `draw_bit_layouts`: the sign, exponent and mantissa fields of `FloatFormat`s (and an
+  `IntFormat`'s code), from their bit counts;
+- `draw_group_scales`: an `Int4Linear`'s weight groups along K and its stored `scales` and
+  zero points, [K / group_size, N];
+- `draw_int4_packing`: the bytes of an `Int4Linear.packed` tensor and which code sits in which
+  nibble;
+- `draw_smoothquant`: per-channel ranges of activations and weights before and after
+  `numerics.smoothquant_scales`;
+- `gptq_snapshots` / `draw_gptq_step`: the weights as `gptq_quantize` sees them when it
+  quantizes each column (recorded from a real run);
+- `draw_kv_fp8_scales`: each layer's FP8 KV cache and the k_scale / v_scale its attention
+  backend holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+from minillm.lab import numerics
+from minillm.lab.diagrams.canvas import Canvas
+from minillm.model.quantization import gptq as gptq_module
+from minillm.model.quantization.formats import FloatFormat, IntFormat
+from minillm.model.quantization.linear import Int4Linear
+from minillm.model.quantization.rtn import QuantSpec, find_grid
+
+SMALL = 9  # the smallest font the book uses
+
+
+def _field_label(name: str, bits: int) -> str:
+    if bits == 1:
+        return name[0]
+    if bits <= 3:
+        return f"{name[0]}{bits}"
+    return f"{name} {bits}"
+
+
+def bit_fields(fmt: FloatFormat | IntFormat) -> list[tuple[str, int]]:
+    """The fields of a format, most significant first: [(name, bits)]."""
+    if isinstance(fmt, FloatFormat):
+        return [("sign", 1), ("exponent", fmt.exponent_bits), ("mantissa", fmt.mantissa_bits)]
+    return [("code", fmt.bits)]
+
+
+def draw_bit_layouts(formats: Sequence[FloatFormat | IntFormat]) -> Canvas:
+    """One row per format: its bits as sign / exponent / mantissa fields, one cell per bit,
+    with the largest value and the unit roundoff computed from the layout."""
+    bit_w, row_h, name_w, info_w = 0.5, 0.9, 2.6, 3.6
+    max_bits = max(f.bits for f in formats)
+    width = name_w + max_bits * bit_w + info_w
+    c = Canvas(width, row_h * len(formats) + 0.8)
+    kinds = {"sign": "accent", "exponent": "compute", "mantissa": "request", "code": "memory"}
+    for row, fmt in enumerate(formats):
+        y = c.height - 0.6 - (row + 1) * row_h
+        c.text(name_w - 0.2, y + 0.35, fmt.name, ha="right")
+        x = name_w
+        for name, bits in bit_fields(fmt):
+            if bits == 0:
+                continue
+            c.box(
+                x,
+                y,
+                bits * bit_w,
+                0.7,
+                _field_label(name, bits),
+                kinds[name],
+                rounded=False,
+                fill=0.6,
+                fontsize=SMALL,
+            )
+            for i in range(1, bits):  # one tick per bit
+                c.ax.plot([x + i * bit_w] * 2, [y, y + 0.12], color="#888888", lw=0.6)
+            x += bits * bit_w
+        if isinstance(fmt, FloatFormat):
+            info = f"max {fmt.max:.3g}, u = 2^-{fmt.mantissa_bits + 1}"
+        else:
+            low, high = fmt.unsigned_range
+            info = f"codes {low}..{high}, w = s (q - z)"
+        c.text(name_w + max_bits * bit_w + 0.2, y + 0.35, info, ha="left", size=SMALL)
+    c.text(
+        name_w + max_bits * bit_w / 2,
+        c.height - 0.3,
+        "bits, most significant first",
+        size=SMALL,
+        color="#6F6F6F",
+    )
+    return c
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3g}"
+
+
+def draw_group_scales(layer: Int4Linear, rows: int = 4) -> Canvas:
+    """A W4A16 layer's weight [N, K] with its groups along K, and the `scales` and zero points
+    it stores, [K / group_size, N] (group-major), for the first `rows` output channels."""
+    n = min(rows, layer.out_features)
+    k, g = layer.in_features, layer.group_size
+    num_groups = k // g
+    cell = 0.45
+    w_width = k * cell
+    gap = 1.6
+    grid_w = n * 1.3
+    width = 1.2 + w_width + gap + 2 * grid_w + 1.0
+    height = 1.6 + max(n * cell, num_groups * 0.7) + 0.9
+    c = Canvas(width, height)
+    top = height - 1.2
+    x0 = 1.2
+    c.text(x0 + w_width / 2, height - 0.35, f"weight W [N = {layer.out_features}, K = {k}]")
+    for gi in range(num_groups):
+        kind = "request" if gi % 2 == 0 else "host"
+        for row in range(n):
+            c.box(
+                x0 + gi * g * cell,
+                top - (row + 1) * cell,
+                g * cell,
+                cell,
+                "",
+                kind,
+                rounded=False,
+                fill=0.7 if row else 0.45,
+            )
+        c.text(x0 + (gi + 0.5) * g * cell, top + 0.25, f"group {gi}", size=SMALL)
+    for row in range(n):
+        c.text(x0 - 0.15, top - (row + 0.5) * cell, f"n={row}", ha="right", size=SMALL)
+    scales = layer.scales.float()  # [G, N]
+    zeros = layer.zeros().T  # [G, N]
+    sx = x0 + w_width + gap
+    for title, values, dx in (
+        ("scales [G, N]", scales, 0.0),
+        ("zero points [G, N]", zeros, grid_w),
+    ):
+        c.text(sx + dx + grid_w / 2, height - 0.35, title)
+        for gi in range(num_groups):
+            for row in range(n):
+                value = values[gi, row]
+                label = _fmt(float(value)) if values.dtype.is_floating_point else str(int(value))
+                c.box(
+                    sx + dx + row * 1.3,
+                    top - (gi + 1) * 0.7,
+                    1.3,
+                    0.7,
+                    label,
+                    "memory",
+                    rounded=False,
+                    fill=0.75,
+                    fontsize=SMALL,
+                )
+    c.arrow(
+        (x0 + g * cell * 1.5, top - cell * 0.5),
+        (sx + 0.1, top - 0.7 * 1.5),
+        "one scale per group",
+        kind="accent",
+        curve=0.2,
+        label_offset=(0.3, -0.75),
+    )
+    c.text(
+        sx + grid_w,
+        top - num_groups * 0.7 - 0.4,
+        "row g, column n: group g of channel n",
+        size=SMALL,
+        color="#6F6F6F",
+    )
+    return c
+
+
+def draw_int4_packing(layer: Int4Linear, row: int = 0, num_bytes: int = 4) -> Canvas:
+    """The first `num_bytes` bytes of one row of `layer.packed` and the codes in their
+    nibbles: byte i holds code 2i in its low nibble and code 2i + 1 in its high nibble."""
+    packed = layer.packed[row, :num_bytes].to(torch.int32)
+    codes = layer.codes()[row, : 2 * num_bytes]
+    cw = 1.1
+    width = 2 * num_bytes * cw + 2.6
+    c = Canvas(width, 5.0)
+    x0 = 2.4
+    c.text(x0 - 0.2, 4.05, "codes q (K order)", ha="right", size=SMALL)
+    code_boxes = []
+    for j, q in enumerate(codes.tolist()):
+        code_boxes.append(
+            c.box(x0 + j * cw + 0.05, 3.7, cw - 0.1, 0.7, f"k{j}: {q}", "request", fontsize=SMALL)
+        )
+    c.text(x0 - 0.2, 1.65, "packed bytes", ha="right", size=SMALL)
+    for i, byte in enumerate(packed.tolist()):
+        x = x0 + 2 * i * cw
+        high, low = byte >> 4, byte & 0xF
+        lo_box = c.box(
+            x + 0.05, 1.3, cw - 0.05, 0.7, f"lo {low:X}", "memory", rounded=False, fontsize=SMALL
+        )
+        hi_box = c.box(
+            x + cw,
+            1.3,
+            cw - 0.05,
+            0.7,
+            f"hi {high:X}",
+            "memory",
+            rounded=False,
+            fontsize=SMALL,
+            fill=0.7,
+        )
+        c.text(x + cw, 0.85, f"byte {i} = 0x{byte:02X}", size=SMALL)
+        c.arrow(code_boxes[2 * i], lo_box, sides=("bottom", "top"))
+        c.arrow(code_boxes[2 * i + 1], hi_box, sides=("bottom", "top"))
+    c.text(
+        width / 2,
+        0.3,
+        "uint8: bits 0-3 (lo) = even k, bits 4-7 (hi) = odd k",
+        size=SMALL,
+        color="#6F6F6F",
+    )
+    return c
+
+
+def draw_smoothquant(
+    x_amax: torch.Tensor, w_amax: torch.Tensor, alpha: float, channels: Sequence[int]
+) -> Canvas:
+    """Per input channel j: max|X_j| and max|W_j| before, the scale s_j, and both after
+    SmoothQuant divides X_j by s_j and multiplies W_j by it."""
+    s = numerics.smoothquant_scales(x_amax, w_amax, alpha)
+    rows = [
+        ("max |X_j|", x_amax, "compute"),
+        ("max |W_j|", w_amax, "memory"),
+        (f"s_j (alpha {alpha:g})", s, "accent"),
+        ("max |X_j| / s_j", x_amax / s, "compute"),
+        ("max |W_j| * s_j", w_amax * s, "memory"),
+    ]
+    cw, rh, name_w = 1.05, 0.62, 3.2
+    width = name_w + cw * len(channels) + 0.3
+    c = Canvas(width, rh * len(rows) + 2.0)
+    top = c.height - 0.9
+    for j, ch in enumerate(channels):
+        c.text(name_w + (j + 0.5) * cw, top + 0.3, f"j={ch}", size=SMALL)
+    for r, (name, values, kind) in enumerate(rows):
+        y = top - (r + 1) * rh - (0.35 if r >= 3 else 0) - (0.1 if r >= 2 else 0)
+        c.text(name_w - 0.15, y + rh / 2, name, ha="right", size=SMALL)
+        biggest = float(values[list(channels)].abs().max())
+        for j, ch in enumerate(channels):
+            v = float(values[ch])
+            c.box(
+                name_w + j * cw,
+                y,
+                cw,
+                rh,
+                _fmt(v),
+                kind,
+                rounded=False,
+                fill=0.9 - 0.6 * (v / biggest),
+                fontsize=SMALL,
+            )
+    c.text(
+        width / 2,
+        0.2,
+        "the product X W^T is unchanged: (X / s)(W s)^T",
+        size=SMALL,
+        color="#6F6F6F",
+    )
+    return c
+
+
+@dataclass(slots=True)
+class GptqSnapshot:
+    """The weights of the block when `gptq_quantize` quantized `column` (in its order)."""
+
+    column: int  # position in the quantization order
+    weights: torch.Tensor  # [N, block] as the column saw them, earlier columns' errors absorbed
+    codes: torch.Tensor  # [N] the codes chosen for this column
+
+
+def gptq_snapshots(
+    w: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec
+) -> tuple[list[GptqSnapshot], torch.Tensor]:
+    """Run minillm's `gptq_quantize` on w [N, K] (one block, natural column order) and record
+    the block's weights each time a column is rounded. Returns the snapshots and the codes."""
+    scales, zeros = find_grid(w, spec)
+    real_round = gptq_module.round_to_grid
+    snapshots: list[GptqSnapshot] = []
+
+    def recording(column_values, s, z, spec_):
+        block = column_values._base  # the block W1 the column is a view of
+        if block is None:
+            raise RuntimeError("gptq_quantize no longer passes a view of its block")
+        q = real_round(column_values, s, z, spec_)
+        snapshots.append(GptqSnapshot(len(snapshots), block.clone(), q.clone()))
+        return q
+
+    with mock.patch.object(gptq_module, "round_to_grid", recording):
+        codes = gptq_module.gptq_quantize(w, hessian, scales, zeros, spec, block_size=w.shape[1])
+    return snapshots, codes
+
+
+def draw_gptq_step(original: torch.Tensor, snapshots: Sequence[GptqSnapshot], step: int) -> Canvas:
+    """Left: W as it came; right: the moment GPTQ rounds column `step`: earlier columns are
+    codes, this column is rounded, later columns hold values updated by the error feedback."""
+    n, k = original.shape
+    snap = snapshots[step]
+    cw, rh = 0.95, 0.6
+    gap = 1.4
+    width = 2 * k * cw + gap + 0.6
+    c = Canvas(width, n * rh + 1.6)
+    top = c.height - 0.9
+    c.text(0.3 + k * cw / 2, c.height - 0.35, "W before")
+    c.text(0.3 + k * cw + gap + k * cw / 2, c.height - 0.35, f"quantizing column {step}")
+    for col in range(k):
+        for row in range(n):
+            y = top - (row + 1) * rh
+            c.box(
+                0.3 + col * cw,
+                y,
+                cw,
+                rh,
+                _fmt(float(original[row, col])),
+                "free",
+                rounded=False,
+                fill=0.4,
+                fontsize=SMALL,
+            )
+            x = 0.3 + k * cw + gap + col * cw
+            if col < step:
+                code = int(snapshots[col].codes[row])
+                c.box(x, y, cw, rh, f"q={code}", "memory", rounded=False, fill=0.55, fontsize=SMALL)
+            elif col == step:
+                c.box(
+                    x,
+                    y,
+                    cw,
+                    rh,
+                    f"q={int(snap.codes[row])}",
+                    "accent",
+                    rounded=False,
+                    fill=0.5,
+                    fontsize=SMALL,
+                    bold=True,
+                )
+            else:
+                c.box(
+                    x,
+                    y,
+                    cw,
+                    rh,
+                    _fmt(float(snap.weights[row, col])),
+                    "compute",
+                    rounded=False,
+                    fill=0.7,
+                    fontsize=SMALL,
+                )
+    xs = 0.3 + k * cw + gap + (step + 0.5) * cw
+    if step + 1 < k:
+        c.arrow(
+            (xs, top - n * rh - 0.1),
+            (xs + 1.4 * cw, top - n * rh - 0.1),
+            "error feedback",
+            kind="accent",
+            curve=0.4,
+            label_offset=(0.6, -0.5),
+        )
+    c.arrow((0.3 + k * cw + 0.1, top - n * rh / 2), (0.3 + k * cw + gap - 0.1, top - n * rh / 2))
+    return c
+
+
+def kv_fp8_layer_scales(model) -> list[tuple[float, float]]:
+    """(k_scale, v_scale) of every decoder layer's attention backend, in layer order."""
+    return [
+        (float(layer.self_attn.backend.k_scale), float(layer.self_attn.backend.v_scale))
+        for layer in model.model.layers
+    ]
+
+
+def draw_kv_fp8_scales(model, kv_caches: Sequence[torch.Tensor]) -> Canvas:
+    """Each layer's KV cache as the engine holds it (dtype, bytes per element) and the
+    per-layer k_scale and v_scale its attention multiplies the FP8 codes by on read."""
+    scales = kv_fp8_layer_scales(model)
+    rh = 0.8
+    width = 12.0
+    c = Canvas(width, rh * len(scales) + 1.5)
+    top = c.height - 0.8
+    c.text(1.0, top + 0.35, "layer", size=SMALL)
+    c.text(4.3, top + 0.35, "K cache", size=SMALL)
+    c.text(9.2, top + 0.35, "V cache", size=SMALL)
+    for i, ((k_scale, v_scale), cache) in enumerate(zip(scales, kv_caches, strict=True)):
+        y = top - (i + 1) * rh
+        dtype = str(cache.dtype).replace("torch.", "")
+        c.text(1.0, y + rh / 2 - 0.05, str(i), size=SMALL)
+        c.box(
+            2.0,
+            y + 0.05,
+            4.6,
+            rh - 0.12,
+            f"{dtype} · k_scale {k_scale:.3g}",
+            "memory",
+            rounded=False,
+            fontsize=SMALL,
+        )
+        c.box(
+            6.9,
+            y + 0.05,
+            4.6,
+            rh - 0.12,
+            f"{dtype} · v_scale {v_scale:.3g}",
+            "memory",
+            rounded=False,
+            fill=0.7,
+            fontsize=SMALL,
+        )
+    c.text(
+        width / 2,
+        0.35,
+        "write: q = fp8(clamp(k / k_scale, ±448));  read: k ≈ q · k_scale",
+        size=SMALL,
+        color="#6F6F6F",
+    )
+    return c
+
+
+__all__ = [
+    "GptqSnapshot",
+    "bit_fields",
+    "draw_bit_layouts",
+    "draw_gptq_step",
+    "draw_group_scales",
+    "draw_int4_packing",
+    "draw_kv_fp8_scales",
+    "draw_smoothquant",
+    "gptq_snapshots",
+    "kv_fp8_layer_scales",
+]
