@@ -48,7 +48,7 @@ from minillm.spec.spec_runner import (
     unsupported_with_spec_decode,
 )
 from minillm.structured.grammar import StructuredOutputManager
-from minillm.worker.cuda_graphs import CUDA_GRAPH_BACKENDS, CUDAGraphConfig
+from minillm.worker.cuda_graphs import CUDA_GRAPH_BACKENDS, CUDAGraphConfig, profile_graph_bytes
 from minillm.worker.model_runner import ModelRunner, profile_peak_bytes
 from minillm.worker.sampler import Sampler
 
@@ -95,6 +95,17 @@ class LLMEngine:
             available_bytes = gpu_kv_cache_bytes(
                 loaded.model, args.gpu_memory_utilization, max_num_batched_tokens
             )
+            if not args.enforce_eager and backend in CUDA_GRAPH_BACKENDS:
+                # the decode graphs' memory pool stays allocated beside the KV cache
+                available_bytes = max(
+                    0,
+                    available_bytes
+                    - profile_graph_bytes(
+                        loaded.model,
+                        args.block_size,
+                        CUDAGraphConfig(args.max_num_seqs, self.max_model_len),
+                    ),
+                )
         if spec_config is not None and spec_config.method == "draft_model":
             # the draft's KV cache has as many blocks as the target's: both share the budget
             draft_config = load_model(spec_config.model, weights=False).config

@@ -148,3 +148,27 @@ class CUDAGraphRunner:
         self.block_tables[:num_seqs, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.graphs[batch_size].replay()
         return self.outputs[batch_size][:num_seqs]
+
+
+def profile_graph_bytes(model: LlamaForCausalLM, block_size: int, config: CUDAGraphConfig) -> int:
+    """The device memory the decode graphs keep once captured (their shared memory pool, the
+    split-KV partial outputs of the longest context included, and the static buffers),
+    measured by capturing them once over a one-block throwaway KV cache and released again.
+    The KV cache is sized after this amount is set aside, as vLLM's profiling does for
+    the graphs it will capture."""
+    device = model.lm_head.weight.device
+    config_ = model.config
+    shape = (2, 1, block_size, config_.num_key_value_heads, config_.head_dim)
+    dtype = model.lm_head.weight.dtype
+    kv_caches = [
+        torch.zeros(shape, dtype=dtype, device=device) for _ in range(config_.num_hidden_layers)
+    ]
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    runner = CUDAGraphRunner(model, kv_caches, block_size, config)
+    torch.cuda.synchronize(device)
+    used = torch.cuda.memory_reserved(device) - before
+    del runner, kv_caches
+    torch.cuda.empty_cache()
+    return max(0, used)

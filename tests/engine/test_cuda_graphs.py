@@ -95,3 +95,40 @@ def test_a_replay_equals_the_eager_forward_and_skips_padding(model_dir):
     # the same cache writes: the padded row wrote nothing
     for graph_cache, eager_cache in zip(after_graph, kv_caches, strict=True):
         assert torch.equal(graph_cache, eager_cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_prompts", [1, 2, 3, 5, 8])
+def test_replays_of_every_bucket_give_the_eager_outputs(model_dir, num_prompts):
+    # 1, 2, 3 (bucket 4), 5 (bucket 8) and 8 sequences: a different graph each, and as
+    # requests finish at different lengths the batch moves down through smaller buckets
+    prompts = [list(range(3 + i, 10 + 3 * i)) for i in range(num_prompts)]
+    eager, _ = greedy(model_dir, True, prompts)
+    graphed, engine = greedy(model_dir, False, prompts)
+    assert graphed == eager
+    assert len(engine.model_runner.cuda_graph_runner.graphs) >= 4
+
+
+@pytest.mark.gpu
+def test_the_graphs_memory_is_set_aside_before_the_kv_cache_is_sized(model_dir):
+    from minillm.worker.cuda_graphs import profile_graph_bytes
+
+    args = dict(model=model_dir, device="cuda", max_model_len=128, max_num_seqs=64)
+
+    def pool_blocks(**extra) -> tuple[int, int, int]:
+        engine = LLMEngine(EngineArgs(**args, **extra))
+        model = engine.model_runner.model
+        blocks = engine.kv_cache_manager.block_pool.num_blocks
+        block_bytes = 16 * model.config.kv_bytes_per_token(model.lm_head.weight.element_size())
+        graph_bytes = profile_graph_bytes(model, 16, CUDAGraphConfig(64, 128)) if extra else 0
+        del engine, model
+        torch.cuda.empty_cache()
+        return blocks, block_bytes, graph_bytes
+
+    eager_blocks, block_bytes, graph_bytes = pool_blocks(enforce_eager=True)
+    graphed_blocks, _, _ = pool_blocks()
+    assert graph_bytes > 0
+    # one engine at a time, so each profiles the same free memory: the graphed pool is
+    # smaller by the graphs' bytes, to within a block and the allocator's rounding
+    fewer_bytes = (eager_blocks - graphed_blocks) * block_bytes
+    assert graph_bytes * 0.8 <= fewer_bytes <= graph_bytes * 1.25 + block_bytes

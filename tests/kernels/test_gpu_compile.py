@@ -98,6 +98,9 @@ def hopper_bf16() -> dict[str, dict]:
 def test_w4a16_loads_are_16_bytes_and_pipelined(hopper_bf16):
     """The packed weights stream through shared memory in 16-byte cp.async copies, one per
     thread per 16 weight bytes, num_stages deep; no byte-wide loads are left."""
+    w8 = hopper_bf16["w8a16 M=1"]  # the int8 weights stream the same way
+    assert w8["num_stages"] >= 2 and w8["cp_async"] >= w8["num_stages"], w8
+    assert "1" not in w8["global_load_bytes"] and w8["spill_bytes"] == 0
     gemv = hopper_bf16["w4a16_gemv M=1"]
     assert gemv["tensor_cores"] == "none" and gemv["num_stages"] >= 3
     assert set(gemv["cp_async_bytes"]) == {"16"} and gemv["cp_async"] >= gemv["num_stages"]
