@@ -19,6 +19,9 @@ student's copy in `exercises/`:
   the statement and starting code, which tells grading that a submission predates a
   changed exercise); a cell keeps only `tags`, `editable` and `deletable`; the JSON is
   nbformat 4.5 as `nbformat.writes` formats it, so releasing twice gives identical bytes;
+- a solution's title (a `# ` heading right after the bootstrap) comes first, above the
+  bootstrap, so that the exercise page opens with it; each graded cell is tagged
+  `hide-input`, so the book shows its check collapsed rather than its answers;
 - `exercises/conftest.py` makes `pytest --nbval-lax` name each graded cell
   "Exercise N", as the notebook's headings and `minillm grade` do.
 
@@ -198,6 +201,15 @@ def exercise_notebook(solution: nbformat.NotebookNode, repo_url: str, name: str 
         new.id = cell.get("id") or f"cell-{index}"
         cells.append(new)
     exercises = _check_ids_and_checks(solution)
+    for cell in cells:
+        # the book collapses each check: the reader sees the exercise, not its answers
+        if cell.cell_type == "code" and GRADED_RE.match(cell.source):
+            tags = list(cell.metadata.get("tags", []))
+            cell.metadata["tags"] = tags if "hide-input" in tags else [*tags, "hide-input"]
+    if len(cells) > 1 and cells[1].cell_type == "markdown" and cells[1].source.startswith("# "):
+        # the title above the bootstrap, so that the page opens with it; the bootstrap
+        # stays the first code cell
+        cells[0], cells[1] = cells[1], cells[0]
     nb = nbformat.v4.new_notebook(cells=cells)
     nb.metadata = {
         "kernelspec": dict(KERNELSPEC),

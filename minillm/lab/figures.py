@@ -145,9 +145,7 @@ class Table:
         ]
 
         def line(values):
-            return "  ".join(
-                str(v).ljust(w) for v, w in zip(values, widths, strict=True)
-            ).rstrip()
+            return "  ".join(str(v).ljust(w) for v, w in zip(values, widths, strict=True)).rstrip()
 
         return "\n".join([line(self.header)] + [line(row) for row in self.rows])
 

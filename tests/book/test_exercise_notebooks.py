@@ -41,9 +41,21 @@ def test_exercises_are_current_with_solutions():
 
 
 @pytest.mark.parametrize("path", SOLUTIONS + EXERCISES, ids=ids(SOLUTIONS + EXERCISES))
-def test_first_cell_is_the_bootstrap(path):
-    first = read_notebook(path).cells[0]
+def test_the_first_code_cell_is_the_bootstrap(path):
+    cells = read_notebook(path).cells
+    first = next(cell for cell in cells if cell.cell_type == "code")
     assert is_bootstrap_cell(first, repository_url(ROOT / "_config.yml"))
+    if path in SOLUTIONS:
+        assert cells[0] is first
+    else:  # an exercise page opens with its title, the bootstrap right below it
+        assert cells[0].cell_type == "markdown" and cells[0].source.startswith("# ")
+        assert cells[1] is first
+
+
+@pytest.mark.parametrize("path", EXERCISES, ids=ids(EXERCISES))
+def test_checks_are_collapsed_in_the_book(path):
+    graded = [c for c in read_notebook(path).cells if c.source.startswith("# GRADED")]
+    assert graded and all("hide-input" in c.metadata.get("tags", []) for c in graded)
 
 
 def code_cells(nb) -> set[int]:

@@ -102,16 +102,20 @@ def test_release_writes_the_specified_notebook(project):
     release(project.solutions, project.exercises, REPO_URL)
     nb = released(project)
 
-    assert [c.cell_type for c in nb.cells] == [c.cell_type for c in solution.cells]
-    assert nb.cells[0].source == bootstrap_source(REPO_URL)
-    assert nb.cells[1].source == "# A fixture exercise"
-    assert nb.cells[1].attachments == {"fig.png": {"image/png": "iVBORw0KGgo="}}
+    # the title comes first, above the bootstrap; every other cell keeps its place
+    order = [1, 0, *range(2, len(solution.cells))]
+    assert [c.cell_type for c in nb.cells] == [solution.cells[i].cell_type for i in order]
+    assert nb.cells[0].source == "# A fixture exercise"
+    assert nb.cells[0].attachments == {"fig.png": {"image/png": "iVBORw0KGgo="}}
+    assert nb.cells[1].source == bootstrap_source(REPO_URL)
     assert nb.cells[2].source == f"def double(x):\n    {STUB.replace(chr(10), chr(10) + '    ')}"
     assert nb.cells[3].source == solution.cells[3].source  # graded cells are kept as they are
     assert nb.cells[-1].source == EXPECTED
-    for i, cell in enumerate(nb.cells):
+    for cell, i in zip(nb.cells, order, strict=True):
         assert cell.id == solution.cells[i].id
-        assert cell.metadata == {"tags": ["keep"]}
+        # a graded cell is collapsed in the book, its other tags kept
+        graded = cell.source.startswith("# GRADED")
+        assert cell.metadata == {"tags": ["keep", "hide-input"] if graded else ["keep"]}
         if cell.cell_type == "code":
             assert cell.outputs == []
             assert cell.execution_count is None
