@@ -63,9 +63,16 @@ def normalize(term: str) -> str:
     return t[:-1] if t.endswith("s") and len(t) > 3 else t
 
 
+def glossary_body(text: str) -> str:
+    """The bodies of the glossary's directives (one per letter), joined."""
+    blocks = [part.split("\n```", 1)[0] for part in text.split("```{glossary}")[1:]]
+    assert blocks, "the glossary has no glossary directive"
+    return "\n".join(blocks)
+
+
 def glossary_terms(text: str) -> set[str]:
-    """Every term line (an entry's name or alias) of the glossary directive's body."""
-    body = text.split("```{glossary}", 1)[1].split("\n```", 1)[0]
+    """Every term line (an entry's name or alias) of the glossary directives' bodies."""
+    body = glossary_body(text)
     return {normalize(line) for line in body.splitlines() if line.strip() and not line[0].isspace()}
 
 
@@ -177,7 +184,7 @@ def test_every_doc_link_names_a_page_that_exists():
 
 
 def test_every_term_role_names_a_glossary_entry():
-    body = (BOOK / "glossary.md").read_text().split("```{glossary}", 1)[1].split("\n```", 1)[0]
+    body = glossary_body((BOOK / "glossary.md").read_text())
     entries = {line.strip().lower() for line in body.splitlines() if line[:1].strip()}
     missing = sorted({(p, t) for p, t in roles("term") if t.lower() not in entries})
     assert missing == [], f"{{term}} roles with no glossary entry: {missing}"
@@ -231,3 +238,17 @@ def test_the_preface_lists_the_parts_of_the_table_of_contents_in_order():
     assert len(parts) == len(titles), (parts, titles)
     for part, title in zip(parts, titles, strict=True):
         assert words(part) <= words(title), f"preface part {part!r} is not chapter {title!r}"
+
+
+def test_the_glossary_is_grouped_by_first_letter_in_order():
+    text = (BOOK / "glossary.md").read_text()
+    sections = re.findall(r"^## (\S+)\n\n```\{glossary\}\n(.*?)\n```", text, re.M | re.S)
+    letters = [letter for letter, _ in sections]
+    assert letters == sorted(letters) and len(letters) >= 20
+    for letter, body in sections:
+        # an entry's first name decides its letter (an alias under it may start otherwise)
+        names = [entry.splitlines()[0] for entry in re.split(r"\n\n(?=\S)", body.strip())]
+        assert names and all(n[0].upper() == letter for n in names), (letter, names[:3])
+    # the jump bar links every letter's section
+    bar = next(line for line in text.splitlines() if line.startswith("**Jump to:**"))
+    assert re.findall(r"\[(\w)\]\(#glossary-\w\)", bar) == letters
