@@ -14,6 +14,7 @@ from minillm.lab.vllm_defaults import vllm_batch_defaults
         ("MI300X", 1024, 16384, 8192),
         ("A100 SXM 80GB", 256, 8192, 2048),  # large, but the A100 is excepted
         ("L40S", 256, 8192, 2048),
+        ("L4", 256, 8192, 2048),  # chapter 1's small GPU
         ("T4", 256, 8192, 2048),
     ],
 )

@@ -44,6 +44,24 @@ def pcie_bandwidth_bytes_per_s(generation: int, lanes: int = 16) -> float:
     return PCIE_GT_PER_S[generation] * 1e9 * lanes * (128 / 130) / 8
 
 
+# the share of the raw rate a pinned host-to-device copy sustains once packet headers, flow
+# control and DMA setup are paid: about 25 GB/s on Gen4 x16 and 50 GB/s on Gen5 x16, what
+# CUDA's bandwidthTest reports on such links
+PCIE_COPY_EFFICIENCY = 0.8
+
+
+def pcie_copy_bandwidth_bytes_per_s(generation: int, lanes: int = 16) -> float:
+    """What a copy of pinned host memory achieves over a PCIe link, one direction: the raw
+    rate times PCIE_COPY_EFFICIENCY. Use this, not the raw rate, to price an offload."""
+    return pcie_bandwidth_bytes_per_s(generation, lanes) * PCIE_COPY_EFFICIENCY
+
+
+def swap_time_s(num_tokens: int, kv_bytes_per_token: float, bandwidth_bytes_per_s: float) -> float:
+    """Seconds a preemption by swapping costs in transfers: the KV copied out to the host and,
+    when the request resumes, copied back; twice a fetch."""
+    return 2 * kv_fetch_time_s(num_tokens, kv_bytes_per_token, bandwidth_bytes_per_s)
+
+
 def kv_fetch_time_s(
     num_tokens: int, kv_bytes_per_token: float, bandwidth_bytes_per_s: float
 ) -> float:

@@ -74,3 +74,19 @@ def test_measured_fetch_bandwidth_is_plausible():
     assert 1e8 < bw < 1e12
     with pytest.raises(ValueError):
         kv_offload.measure_fetch_bandwidth_bytes_per_s(0)
+
+
+def test_a_copy_achieves_less_than_the_raw_link_rate():
+    # raw Gen5 x16: 32 GT/s x 16 lanes x 128/130 / 8 = 63.0 GB/s; a pinned copy reaches
+    # about 50 GB/s, Gen4 about 25 GB/s (CUDA's bandwidthTest on such links)
+    assert kv_offload.pcie_bandwidth_bytes_per_s(5) == pytest.approx(32e9 * 16 * 128 / 130 / 8)
+    assert kv_offload.pcie_copy_bandwidth_bytes_per_s(5) == pytest.approx(50.4e9, rel=1e-3)
+    assert kv_offload.pcie_copy_bandwidth_bytes_per_s(4) == pytest.approx(25.2e9, rel=1e-3)
+    assert kv_offload.pcie_copy_bandwidth_bytes_per_s(4, lanes=8) == pytest.approx(12.6e9, rel=1e-3)
+
+
+def test_a_swap_moves_the_kv_out_and_back():
+    # 1000 tokens of 128 KiB at 50 GB/s: 2.62 ms each way
+    one_way = 1000 * 131072 / 50e9
+    assert kv_offload.swap_time_s(1000, 131072, 50e9) == pytest.approx(2 * one_way)
+    assert kv_offload.swap_time_s(0, 131072, 50e9) == 0
