@@ -373,9 +373,53 @@ def draw_token_mask(
     return c
 
 
+def draw_drafter_kinds() -> Canvas:
+    """Where the drafter sits: a separate draft model, Medusa heads, an EAGLE head and an MTP
+    block, each beside the target's layers (a concept picture, not engine state)."""
+    c = Canvas(13.0, 10.6)
+    panels = [
+        ("draft model", 0.2, 5.5),
+        ("Medusa", 6.8, 5.5),
+        ("EAGLE", 0.2, 0.2),
+        ("MTP", 6.8, 0.2),
+    ]
+    for title, x, y in panels:
+        c.text(x + 3.0, y + 4.6, title, fontweight="bold")
+        target = c.box(x + 0.2, y + 0.3, 2.4, 3.6, "target\nlayers", "request")
+        if title == "draft model":
+            small = c.box(
+                x + 3.6, y + 1.0, 2.2, 2.2, "small model\n+ own KV", "compute", fontsize=SMALL
+            )
+            c.text(x + 4.7, y + 3.7, "k steps of its own", size=SMALL)
+            c.arrow(small, target, sides=("left", "right"))
+        elif title == "Medusa":
+            for j in range(3):
+                head = c.box(
+                    x + 3.6,
+                    y + 0.3 + 1.25 * j,
+                    2.2,
+                    0.95,
+                    f"head {j + 1}: +{j + 1}",
+                    "compute",
+                    fontsize=SMALL,
+                )
+                c.arrow((x + 2.6, y + 3.2), head, sides=("", "left"))
+            c.text(x + 4.7, y + 4.1, "k tokens at once", size=SMALL)
+        elif title == "EAGLE":
+            head = c.box(x + 3.6, y + 1.4, 2.2, 1.4, "1-layer\nhead", "compute", fontsize=SMALL)
+            c.arrow((x + 2.6, y + 2.1), head, sides=("", "left"))
+            c.text(x + 4.7, y + 3.4, "features → next\nfeature, k steps", size=SMALL)
+        else:
+            head = c.box(x + 3.6, y + 1.4, 2.2, 1.4, "MTP\nblock", "compute", fontsize=SMALL)
+            c.arrow((x + 2.6, y + 2.1), head, sides=("", "left"))
+            c.text(x + 4.7, y + 3.4, "trained with\nthe model", size=SMALL)
+    return c
+
+
 __all__ = [
     "STAGES",
     "SpecRound",
+    "draw_drafter_kinds",
     "draw_ngram_lookup",
     "draw_sampler_pipeline",
     "draw_spec_round",
