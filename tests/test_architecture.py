@@ -36,6 +36,7 @@ LAYERS = {
     + ("minillm.sampling_params", "minillm.distributed", "minillm.spec", "minillm.lora"),
     # the HTTP server: the engine and what it hands back, never the book's instruments
     "minillm.serve": ("minillm.engine", "minillm.core", "minillm.model", "minillm.outputs")
+    + ("minillm.lora",)
     + ("minillm.sampling_params", "minillm.llm"),
     # LoRARequest (vLLM's vllm.lora.request): a plain value every layer may carry
     "minillm.lora": (),

@@ -26,10 +26,14 @@ ENGINE_OPTIONS = (
     ("scheduling-policy", str, "fcfs, priority or sjf"),
     ("prefix-caching-algo", str, "hash or radix"),
     ("seed", int, "seed of the shared sampling generator"),
+    ("max-loras", int, "most LoRA adapters in one batch"),
+    ("max-lora-rank", int, "highest rank of a LoRA adapter"),
+    ("max-cpu-loras", int, "LoRA adapters kept loaded (default: max-loras)"),
 )
 ENGINE_FLAGS = (
     ("enable-prefix-caching", "reuse the KV of shared prompt prefixes"),
     ("enable-chunked-prefill", "split long prompts over several steps"),
+    ("enable-lora", "serve LoRA adapters beside the base model"),
 )
 
 
@@ -60,6 +64,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help="tokens a key may spend at once (default: a minute's worth)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) clients select with model=NAME; needs --enable-lora",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     engine = p.add_argument_group("engine options (as in vLLM)")
@@ -99,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         rate_limit_tokens_per_minute=args.rate_limit_tokens_per_minute,
         rate_limit_burst_tokens=args.rate_limit_burst_tokens,
+        lora_modules=args.lora_modules,
         **engine_options(args),
     )
     return 0

@@ -170,6 +170,7 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         batching_type: str = "continuous",
         num_lookahead_tokens: int = 0,
+        max_loras: int | None = None,
     ) -> None:
         check_scheduler_options(
             max_num_seqs,
@@ -189,6 +190,9 @@ class Scheduler:
         self.batching_type = batching_type
         # speculative decoding: KV slots a decode reserves for draft tokens (k), 0 without
         self.num_lookahead_tokens = num_lookahead_tokens
+        # multi-LoRA: the running requests use at most this many adapters at once (vLLM's
+        # max_loras); a waiting request on another adapter is passed over until one is free
+        self.max_loras = max_loras
         # in arrival order, preempted requests in front; the policy orders it (waiting_order)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -334,11 +338,20 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
         """Admit waiting requests in the policy's order while budget, seats and blocks remain."""
         num_seats_taken = self.num_running_seqs
+        loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         for request in self._admission_order():
             if token_budget <= 0:
                 break
             if num_seats_taken + request.num_seqs > self.max_num_seqs:
                 break
+            lora = request.lora_request
+            if (
+                self.max_loras is not None
+                and lora is not None
+                and lora.lora_int_id not in loras
+                and len(loras) >= self.max_loras
+            ):
+                continue  # its adapter would be one too many: later requests may go first
             # prefix caching: skip the tokens whose KV is already in cached blocks
             cached_blocks, num_cached_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_cached_tokens
@@ -352,6 +365,8 @@ class Scheduler:
             request.num_computed_tokens = num_cached_tokens
             request.metrics.record_scheduled(self.clock())
             self.running.append(request)
+            if lora is not None:
+                loras.add(lora.lora_int_id)
             output.scheduled.append(ScheduledRequest.plan(request, num_new_tokens))
             output.num_batched_tokens += num_new_tokens
             num_seats_taken += request.num_seqs

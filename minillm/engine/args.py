@@ -82,10 +82,13 @@ class EngineArgs:
     # constrained decoding: append the text a grammar forces without a forward per token
     enable_jump_forward: bool = True
     # multi-LoRA serving (vLLM's options; minillm.model.lora): requests name an adapter with
-    # a LoRARequest; at most max_loras adapters are held, each of rank <= max_lora_rank
+    # a LoRARequest; a step's batch uses at most max_loras adapters, each of rank <=
+    # max_lora_rank; max_cpu_loras adapters stay loaded (None: max_loras), the least recently
+    # used one that no unfinished request needs making room for a new one
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # model parallelism over worker processes the engine spawns (minillm.distributed)
     tensor_parallel_size: int = 1  # heads, MLP width and vocabulary split over this many ranks
     pipeline_parallel_size: int = 1  # layers split into this many stages
@@ -337,6 +340,13 @@ def _check_lora(args: EngineArgs) -> None:
         raise ValueError(f"enable_lora must be True or False, got {args.enable_lora!r}")
     _check_int("max_loras", args.max_loras, minimum=1)
     _check_int("max_lora_rank", args.max_lora_rank, minimum=1)
+    if args.max_cpu_loras is not None:
+        _check_int("max_cpu_loras", args.max_cpu_loras, minimum=1)
+        if args.max_cpu_loras < args.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({args.max_cpu_loras}) must be >= max_loras ({args.max_loras}): "
+                "a batch's adapters must all be loaded"
+            )
     if not args.enable_lora:
         return
     for name in ("speculative_config", "kv_transfer_config", "quantization"):

@@ -130,6 +130,7 @@ class LLMEngine:
             scheduling_policy=args.scheduling_policy,
             batching_type=args.batching_type,
             num_lookahead_tokens=spec_config.num_speculative_tokens if spec_config else 0,
+            max_loras=args.max_loras if args.enable_lora else None,
         )
         # constrained decoding: the compiled grammars, and each request's place in its own
         self.structured_output_manager = StructuredOutputManager(
@@ -138,7 +139,7 @@ class LLMEngine:
         self.enable_jump_forward = args.enable_jump_forward
         # multi-LoRA: adapters beside the base weights, applied per row by the model runner
         self.lora_manager = (
-            LoRAManager(loaded.model, args.max_loras, args.max_lora_rank)
+            LoRAManager(loaded.model, args.max_loras, args.max_lora_rank, args.max_cpu_loras)
             if args.enable_lora
             else None
         )
@@ -283,7 +284,12 @@ class LLMEngine:
                 f"lora_request {lora_request.lora_name!r} needs an engine made with "
                 "enable_lora=True"
             )
-        self.lora_manager.add_lora(lora_request)
+        in_use = {
+            request.lora_request.lora_int_id
+            for request in self.scheduler.requests.values()
+            if request.lora_request is not None
+        }
+        self.lora_manager.add_lora(lora_request, in_use)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, Mapping):

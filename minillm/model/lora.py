@@ -168,15 +168,26 @@ def save_lora_adapter(
 
 
 class LoRAManager:
-    """Up to `max_loras` adapters of rank <= `max_lora_rank` beside one model, applied per row.
+    """Adapters of rank <= `max_lora_rank` beside one model, applied per row.
 
-    Adapters are loaded on first use (`add_lora`) and kept; a new one beyond max_loras is
-    refused. Per forward, `set_active` gives each token row its adapter id (0: none).
+    Adapters are loaded on first use (`add_lora`) and kept, up to `max_cpu_loras` of them
+    (vLLM's name; by default `max_loras`, the most one batch uses, which the scheduler
+    enforces). A new adapter beyond that evicts the least recently used one that no
+    unfinished request needs; when every loaded adapter is needed, it is refused. Per
+    forward, `set_active` gives each token row its adapter id (0: none).
     """
 
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int | None = None,
+    ) -> None:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras or max_loras
+        # in order of last use, least recent first
         self.adapters: dict[int, LoRAAdapter] = {}
         self.modules: dict[str, nn.Linear] = {
             name: module
@@ -197,8 +208,12 @@ class LoRAManager:
     def active(self) -> bool:
         return bool(self.groups)
 
-    def add_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
-        """Load the adapter unless it is loaded; ValueError when it cannot be served."""
+    def add_lora(
+        self, lora_request: LoRARequest, in_use: set[int] | frozenset[int] = frozenset()
+    ) -> LoRAAdapter:
+        """Load the adapter unless it is loaded; ValueError when it cannot be served.
+
+        `in_use`: the adapter ids unfinished requests need, which are never evicted."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(
                 f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
@@ -214,13 +229,8 @@ class LoRAManager:
                     f"lora_int_id {lora_request.lora_int_id} is already adapter "
                     f"{loaded.lora_name!r} from {str(loaded.path)!r}"
                 )
+            self.adapters[loaded.lora_int_id] = self.adapters.pop(loaded.lora_int_id)  # used now
             return loaded
-        if len(self.adapters) >= self.max_loras:
-            raise ValueError(
-                f"max_loras={self.max_loras} adapters are loaded "
-                f"({sorted(a.lora_name for a in self.adapters.values())}); cannot add "
-                f"{lora_request.lora_name!r}: raise max_loras"
-            )
         adapter = load_lora_adapter(lora_request)
         if adapter.rank > self.max_lora_rank:
             raise ValueError(
@@ -240,6 +250,16 @@ class LoRAManager:
                     f"{module.in_features}] and lora_B [{module.out_features}, r], got "
                     f"{tuple(a.shape)} and {tuple(b.shape)}"
                 )
+        if len(self.adapters) >= self.max_cpu_loras:
+            idle = [lora_id for lora_id in self.adapters if lora_id not in in_use]
+            if not idle:
+                raise ValueError(
+                    f"max_cpu_loras={self.max_cpu_loras} adapters are loaded and unfinished "
+                    f"requests use each of them "
+                    f"({sorted(a.lora_name for a in self.adapters.values())}); cannot add "
+                    f"{lora_request.lora_name!r} now: raise max_cpu_loras or retry later"
+                )
+            self.remove_lora(idle[0])  # the least recently used
         weight = next(iter(self.modules.values())).weight
         for name, (a, b) in adapter.weights.items():
             self.weights[name][adapter.lora_int_id] = (

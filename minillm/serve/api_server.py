@@ -30,6 +30,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from minillm.lora.request import LoRARequest
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 from minillm.serve.chat_template import ChatTemplate, ChatTemplateError
@@ -75,8 +76,11 @@ class OpenAIServer:
         metrics: ServerMetrics,
         chat_template: ChatTemplate | None,
         rate_limiter: RateLimiter | None = None,
+        lora_modules: dict[str, LoRARequest] | None = None,
     ) -> None:
         self.rate_limiter = rate_limiter
+        # adapters clients name as `model` (vLLM's --lora-modules), beside the base model
+        self.lora_modules = dict(lora_modules or {})
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.tokenizer = self.engine.tokenizer
@@ -87,15 +91,19 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ checks
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise ApiError(
-                f"the model {model!r} does not exist; this server serves "
-                f"{self.served_model_name!r}",
-                status_code=404,
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names, None for the base model; 404 for another name."""
+        if model is None or model == self.served_model_name:
+            return None
+        if model in self.lora_modules:
+            return self.lora_modules[model]
+        served = ", ".join(repr(name) for name in [self.served_model_name, *self.lora_modules])
+        raise ApiError(
+            f"the model {model!r} does not exist; this server serves {served}",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+        )
 
     def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
         """vLLM's rule: the prompt and max_tokens must fit in max_model_len together;
@@ -165,6 +173,7 @@ class OpenAIServer:
         prompts: list,
         params_list: list,
         shared: asyncio.Queue,
+        lora_request: LoRARequest | None = None,
     ) -> list[str]:
         """Add every prompt, or none: a refusal aborts the ones already added.
 
@@ -177,7 +186,7 @@ class OpenAIServer:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 request_id = f"{prefix}-{i}"
                 await self.async_engine.add_request(
-                    request_id, prompt, params, shared, arrival_time
+                    request_id, prompt, params, shared, arrival_time, lora_request
                 )
                 request_ids.append(request_id)
         except BaseException as err:
@@ -197,10 +206,12 @@ class OpenAIServer:
             raise
         return request_ids
 
-    async def start_reserved(self, prefix, prompts, params_list, shared, reservation) -> list:
+    async def start_reserved(
+        self, prefix, prompts, params_list, shared, reservation, lora_request=None
+    ) -> list:
         """`start`, giving the reservation back whole when the requests are refused."""
         try:
-            return await self.start(prefix, prompts, params_list, shared)
+            return await self.start(prefix, prompts, params_list, shared, lora_request)
         except BaseException:
             settle(reservation, [])
             raise
@@ -318,7 +329,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         body = parse_request(await request.body(), CompletionRequest)
-        self.check_model(body.model)
+        lora_request = self.check_model(body.model)
         if body.echo and body.logprobs is not None:
             raise ApiError("echo together with logprobs is not supported", param="echo")
         prompts = self.completion_prompts(body)
@@ -340,7 +351,7 @@ class OpenAIServer:
         shared: asyncio.Queue = asyncio.Queue()
         reservation = self.admit(request, ids_list, params_list)
         request_ids = await self.start_reserved(
-            request_id, prompts, params_list, shared, reservation
+            request_id, prompts, params_list, shared, reservation, lora_request
         )
         index_of = {r: i for i, r in enumerate(request_ids)}
         n, k = body.n, body.logprobs
@@ -348,7 +359,7 @@ class OpenAIServer:
             "id": request_id,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.served_model_name,
+            "model": body.model or self.served_model_name,
         }
 
         def choice(prompt_index: int, c: CompletionOutput, text: str, logprobs) -> dict:
@@ -412,7 +423,7 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_request(await request.body(), ChatCompletionRequest)
-        self.check_model(body.model)
+        lora_request = self.check_model(body.model)
         if self.chat_template is None:
             raise ApiError(
                 "this model has no chat template (tokenizer_config.json has no "
@@ -440,8 +451,14 @@ class OpenAIServer:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         shared: asyncio.Queue = asyncio.Queue()
         reservation = self.admit(request, [ids], [params])
-        request_ids = await self.start_reserved(request_id, [ids], [params], shared, reservation)
-        head = {"id": request_id, "created": int(time.time()), "model": self.served_model_name}
+        request_ids = await self.start_reserved(
+            request_id, [ids], [params], shared, reservation, lora_request
+        )
+        head = {
+            "id": request_id,
+            "created": int(time.time()),
+            "model": body.model or self.served_model_name,
+        }
 
         if not body.stream:
             finals = await self.collect_settled(request, request_ids, shared, reservation)
@@ -528,6 +545,18 @@ class OpenAIServer:
                     "root": str(self.tokenizer.path.parent),
                     "max_model_len": self.engine.max_model_len,
                 }
+            ]
+            + [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": self.created,
+                    "owned_by": "minillm",
+                    "root": lora.lora_path,
+                    "parent": self.served_model_name,
+                    "max_model_len": self.engine.max_model_len,
+                }
+                for name, lora in self.lora_modules.items()
             ],
         }
 
@@ -582,9 +611,12 @@ def build_app(
     chat_template: ChatTemplate | None = None,
     api_key: str | None = None,
     rate_limiter: RateLimiter | None = None,
+    lora_modules: dict[str, LoRARequest] | None = None,
 ) -> FastAPI:
     """The FastAPI app. `async_engine` must be started (and is not stopped by the app)."""
-    server = OpenAIServer(async_engine, served_model_name, metrics, chat_template, rate_limiter)
+    server = OpenAIServer(
+        async_engine, served_model_name, metrics, chat_template, rate_limiter, lora_modules
+    )
     app = FastAPI(title="minillm", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 

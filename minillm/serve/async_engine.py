@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from minillm.engine.llm_engine import LLMEngine, Prompt
+from minillm.lora.request import LoRARequest
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
 
@@ -73,6 +74,7 @@ class _Add:
     arrival_time: float | None
     stream: RequestStream
     future: asyncio.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(eq=False)
@@ -134,18 +136,21 @@ class AsyncEngine:
         params: SamplingParams,
         shared_queue: asyncio.Queue | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request; raises ValueError (a bad prompt or options), EngineOverloaded,
         or EngineDead. shared_queue: deliver to this queue (several requests, one consumer).
         arrival_time: when the request reached the server (`engine.clock()`), so that its
         TTFT and queueing time include the wait for the engine thread; default: when the
-        engine thread adds it."""
+        engine thread adds it. lora_request: the adapter it runs with (None: the base model)."""
         if not self.is_running:
             raise EngineDead(f"the engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, shared_queue or asyncio.Queue(), loop)
         future = loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, arrival_time, stream, future))
+        self._commands.put(
+            _Add(request_id, prompt, params, arrival_time, stream, future, lora_request)
+        )
         try:
             await future
         except asyncio.CancelledError:  # the client left while the request was being added
@@ -211,7 +216,11 @@ class AsyncEngine:
         try:
             with self.lock:
                 self.engine.add_request(
-                    command.request_id, command.prompt, command.params, command.arrival_time
+                    command.request_id,
+                    command.prompt,
+                    command.params,
+                    command.arrival_time,
+                    lora_request=command.lora_request,
                 )
         except ValueError as err:
             self._resolve(command, err)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from minillm.engine.args import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
+from minillm.lora.request import LoRARequest
 from minillm.model.loader import DEFAULT_MODEL
 from minillm.serve.api_server import build_app
 from minillm.serve.async_engine import AsyncEngine
@@ -66,6 +67,7 @@ def make_server_app(
     rate_limit_tokens_per_minute: float | None = None,
     rate_limit_burst_tokens: float | None = None,
     rate_limiter: RateLimiter | None = None,
+    lora_modules: dict[str, str] | list[str] | None = None,
     **engine_args,
 ) -> ServerApp:
     """The app for `model`: an `LLM`, an `LLMEngine`, or a model directory or bundled name
@@ -73,7 +75,9 @@ def make_server_app(
 
     rate_limit_tokens_per_minute: a token bucket per API key (see minillm.serve.rate_limit),
     holding rate_limit_burst_tokens at most (default: a minute's worth); rate_limiter: a
-    RateLimiter made by the caller (one with a test clock) instead."""
+    RateLimiter made by the caller (one with a test clock) instead. lora_modules: adapters
+    clients select by `model` ({name: path}, or vLLM's "name=path" strings), for an engine
+    with enable_lora=True; each is loaded and checked now."""
     from minillm.llm import LLM
 
     if rate_limiter is None and rate_limit_tokens_per_minute is not None:
@@ -97,11 +101,40 @@ def make_server_app(
         engine = LLMEngine(args)
         owns_engine = True
         name = served_model_name or str(DEFAULT_MODEL if model is None else os.fspath(model))
+    adapters = lora_module_requests(lora_modules, name)
+    if adapters and engine.lora_manager is None:
+        raise ValueError("lora_modules need an engine with enable_lora=True (--enable-lora)")
+    for lora in adapters.values():
+        engine.lora_manager.add_lora(lora)  # a bad adapter fails now, not at a request
     metrics = ServerMetrics(engine, name)
     async_engine = AsyncEngine(engine, max_waiting_requests, metrics.observe, lock)
     chat_template = ChatTemplate.from_model_dir(engine.tokenizer.path.parent)
-    app = build_app(async_engine, name, metrics, chat_template, api_key, rate_limiter)
+    app = build_app(async_engine, name, metrics, chat_template, api_key, rate_limiter, adapters)
     return ServerApp(app, engine, async_engine, metrics, name, owns_engine)
+
+
+def lora_module_requests(
+    lora_modules: dict[str, str] | list[str] | None, base_name: str
+) -> dict[str, LoRARequest]:
+    """{name: LoRARequest} from {name: path} or "name=path" strings, ids 1, 2, ..."""
+    if not lora_modules:
+        return {}
+    if not isinstance(lora_modules, dict):
+        pairs = {}
+        for item in lora_modules:
+            name, sep, path = str(item).partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"a LoRA module is name=path, got {item!r}")
+            if name in pairs:
+                raise ValueError(f"LoRA module {name!r} is named twice")
+            pairs[name] = path
+        lora_modules = pairs
+    if base_name in lora_modules:
+        raise ValueError(f"LoRA module {base_name!r} has the base model's name")
+    return {
+        name: LoRARequest(name, i, os.fspath(path))
+        for i, (name, path) in enumerate(lora_modules.items(), start=1)
+    }
 
 
 @dataclass

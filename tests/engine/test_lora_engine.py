@@ -200,9 +200,18 @@ def test_bad_lora_requests_refused_where_they_enter(tiny_dir, adapters, tmp_path
         llm.engine.add_request("bad", PROMPTS[0], params, lora_request="attn")
     [out] = llm.generate([PROMPTS[0]], params, lora_request=adapters["attn"][0], use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2  # the engine still serves
+    # a second adapter evicts the first once no request needs it ...
     other = LoRARequest("other", 9, adapters["attn"][0].lora_path)
-    with pytest.raises(ValueError, match="max_loras=1"):
-        llm.generate([PROMPTS[0]], params, lora_request=other, use_tqdm=False)
+    [out] = llm.generate([PROMPTS[0]], params, lora_request=other, use_tqdm=False)
+    assert list(llm.engine.lora_manager.adapters) == [9]
+    # ... and is refused while an unfinished request still needs the one loaded
+    llm.engine.add_request("holds", PROMPTS[1], params, lora_request=other)
+    with pytest.raises(ValueError, match="max_cpu_loras=1 adapters are loaded and unfinished"):
+        llm.engine.add_request("refused", PROMPTS[2], params, lora_request=adapters["attn"][0])
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
+        EngineArgs(tiny_dir, enable_lora=True, max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="max_lora_rank must be an int"):
         EngineArgs(tiny_dir, enable_lora=True, max_lora_rank=0)
     with pytest.raises(ValueError, match="enable_lora=True cannot be combined"):
@@ -233,3 +242,66 @@ def test_logits_match_peft(tiny_dir, adapters):
             base = peft_model(input_ids=ids).logits.float()
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     assert (theirs - base).abs().max() > 0.1  # peft found and applied the adapter's weights
+
+
+def test_the_least_recently_used_idle_adapter_is_evicted(tiny_dir, adapters, tmp_path):
+    model = load_model(tiny_dir, "float32").model
+    manager = LoRAManager(model, max_loras=1, max_lora_rank=8, max_cpu_loras=2)
+    a, b = adapters["attn"][0], adapters["all"][0]
+    c = LoRARequest("c", 3, a.lora_path)
+    manager.add_lora(a)
+    manager.add_lora(b)
+    manager.add_lora(a)  # used again: b is now the least recent
+    manager.add_lora(c)
+    assert list(manager.adapters) == [1, 3]
+    assert all(2 not in per_module for per_module in manager.weights.values())
+    # an adapter in use is kept even when it is the least recent
+    manager.add_lora(b, in_use={1})
+    assert list(manager.adapters) == [1, 2]
+    with pytest.raises(ValueError, match="unfinished requests use each of them"):
+        manager.add_lora(c, in_use={1, 2})
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_a_step_uses_at_most_max_loras_adapters(tiny_dir, adapters, max_loras):
+    """Requests on two adapters and none, with room for one or two adapters per batch: no
+    step schedules more adapters than max_loras, and every request gets its merged model's
+    greedy tokens."""
+    engine = LLMEngine(
+        EngineArgs(
+            tiny_dir, dtype="float32", enable_lora=True, max_loras=max_loras, max_lora_rank=8,
+            max_cpu_loras=2,
+        )
+    )  # fmt: skip
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        output = schedule()
+        steps.append({
+            s.request.lora_request.lora_int_id
+            for s in output.scheduled
+            if s.request.lora_request is not None
+        })  # fmt: skip
+        return output
+
+    engine.scheduler.schedule = recorded
+    loras = [adapters["attn"][0], adapters["all"][0], None, adapters["attn"][0]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS + [PROMPTS[1]]
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        engine.add_request(str(i), prompt, params, lora_request=lora)
+    got = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                got[output.request_id] = list(output.outputs[0].token_ids)
+    assert max(len(step) for step in steps) == max_loras
+    oracle = {
+        None: load_model(tiny_dir, "float32").model,
+        "attn": merged_model(tiny_dir, *adapters["attn"][1:]),
+        "all": merged_model(tiny_dir, *adapters["all"][1:]),
+    }
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        model = oracle[None if lora is None else lora.lora_name]
+        assert got[str(i)] == greedy_reference(model, prompt, 6)
