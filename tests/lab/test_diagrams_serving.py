@@ -110,3 +110,12 @@ def test_multi_lora_rows_name_their_adapters():
         "base only",
         "+ x Aᵀ Bᵀ of chat",
     ]
+
+
+def test_engine_processes_are_drawn_in_order():
+    c = s.draw_engine_processes()
+    labels = c.labels()
+    assert labels[0].startswith("API server") and labels[2].startswith("Worker")
+    assert labels[3].startswith("HTTP server") and labels[-1] == "DetokenizerManager process"
+    small = s.draw_engine_processes({"one": [("a", "request"), ("b", "host")]})
+    assert small.labels() == ["a", "b"]

@@ -334,7 +334,14 @@ def plot_token_bucket(rate: float, burst: float, requests: Sequence[tuple[float,
         label="tokens in the bucket",
     )
     ax.axhline(burst, color=PALETTE["muted"], ls=":", lw=1)
-    ax.text(0.02, burst * 1.02, f"burst {burst:.0f}", color=PALETTE["muted"], va="bottom")
+    ax.text(
+        max(t for t, _ in samples),
+        burst * 1.02,
+        f"burst {burst:.0f}",
+        ha="right",
+        color=PALETTE["muted"],
+        va="bottom",
+    )
     for _k, e in enumerate(events):
         ok = e.wait_s == 0
         ax.bar(
@@ -408,6 +415,53 @@ def draw_autoscaler(cold) -> Canvas:
     return c
 
 
+# ---------------------------------------------------------------- two engines
+
+
+ENGINE_PROCESSES = {
+    "vLLM V1 (0.11)": [
+        ("API server: FastAPI, AsyncLLM\n(tokenize, OutputProcessor)", "request"),
+        ("EngineCore process\nScheduler + KVCacheManager", "host"),
+        ("Worker: GPUModelRunner\nforward + sampler", "compute"),
+    ],
+    "SGLang (0.5)": [
+        ("HTTP server + TokenizerManager", "request"),
+        ("Scheduler process per GPU\nRadixCache + overlap loop", "host"),
+        ("TpModelWorker: ModelRunner\nforward + sampler", "compute"),
+        ("DetokenizerManager process", "request"),
+    ],
+}
+
+
+def draw_engine_processes(layouts=ENGINE_PROCESSES) -> Canvas:
+    """Each engine's processes top to bottom, in the order a request passes them; the
+    arrows between processes are ZeroMQ sockets."""
+    tallest = max(len(v) for v in layouts.values())
+    col_w = 15.0
+    c = Canvas(col_w * len(layouts), tallest * 2.5 + 1.2)
+    for i, (title, boxes) in enumerate(layouts.items()):
+        x0 = i * col_w
+        c.text(x0 + col_w / 2, c.height - 0.5, title, size=11)
+        prev = None
+        for k, (label, kind) in enumerate(boxes):
+            b = c.box(
+                x0 + 1.0,
+                c.height - 1.2 - (k + 1) * 2.5 + 0.4,
+                col_w - 3.4,
+                1.9,
+                label,
+                kind,
+                fontsize=10,
+            )
+            if prev is not None:
+                c.arrow(prev, b, sides=("bottom", "top"))
+            prev = b
+        c.text(
+            x0 + col_w - 1.4, c.height / 2, "ZeroMQ", rotation=90, size=9, color=PALETTE["muted"]
+        )
+    return c
+
+
 # ---------------------------------------------------------------- multi-LoRA
 
 
@@ -451,6 +505,7 @@ __all__ = [
     "BucketEvent",
     "SloOutcome",
     "draw_autoscaler",
+    "draw_engine_processes",
     "draw_load_loops",
     "draw_multi_lora",
     "draw_request_timeline",
