@@ -26,6 +26,9 @@ from minillm.lab.batch_slots import slot_timeline
 from minillm.lab.diagrams.canvas import Canvas
 from minillm.lab.figures import PAGE_WIDTH_IN, PALETTE, SERIES
 
+# a request's colour: the series colours less the grey, which an empty slot uses
+REQUEST_COLORS = [c for c in SERIES if c != "#8C8C8C"]
+
 # The scheduler loop, box by box: (the function that does it, what it does). Each name is
 # "Class.method" in minillm.core (tests check that every one exists).
 SCHEDULER_LOOP: tuple[tuple[str, str], ...] = (
@@ -127,7 +130,7 @@ def plot_slot_timeline(ax, traces: Sequence[StepTrace], num_slots: int, title: s
             if request_id is None:
                 ax.broken_barh(span, (slot - 0.4, 0.8), color=PALETTE["free"])
             else:
-                color = SERIES[int(request_id) % len(SERIES)]
+                color = REQUEST_COLORS[int(request_id) % len(REQUEST_COLORS)]
                 ax.broken_barh(span, (slot - 0.4, 0.8), color=color, edgecolor="white")
                 if end + 1 - step >= 4:
                     ax.text(
@@ -171,7 +174,7 @@ def plot_token_plan(
                 trace.step,
                 n,
                 bottom=bottom,
-                color=SERIES[ids.index(rid) % len(SERIES)],
+                color=REQUEST_COLORS[ids.index(rid) % len(REQUEST_COLORS)],
                 edgecolor="black",
                 linewidth=0.6,
                 hatch="//" if phase == "prefill" else None,
@@ -180,19 +183,24 @@ def plot_token_plan(
             bottom += n
     ax.axhline(budget, color="black", linestyle="--", linewidth=1)
     ax.text(len(traces) - 0.6, budget, f"budget {budget}", va="bottom", ha="right", fontsize=9)
-    ax.set_ylim(0, budget * 1.35)
+    ax.set_ylim(0, budget * (1.5 if legend else 1.3))
     ax.set_xticks([t.step for t in traces])
     ax.set_xlabel("engine step")
     ax.set_ylabel("tokens in the step")
     ax.grid(axis="x", visible=False)
     if legend:
-        handles = [Rectangle((0, 0), 1, 1, color=SERIES[i % len(SERIES)]) for i in range(len(ids))]
+        handles = [
+            Rectangle((0, 0), 1, 1, color=REQUEST_COLORS[i % len(REQUEST_COLORS)])
+            for i in range(len(ids))
+        ]
         handles.append(Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="//"))
         ax.legend(
             handles,
             [*names.values(), "prefill (hatched)"],
-            loc="upper left",
-            bbox_to_anchor=(1.0, 1.0),
+            loc="upper right",
+            ncol=len(handles),
+            handlelength=1.2,
+            columnspacing=1.0,
         )
 
 
