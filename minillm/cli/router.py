@@ -11,7 +11,13 @@ import argparse
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from minillm.serve.router import DEFAULT_PREFIX_CHARS, DEFAULT_VIRTUAL_NODES, POLICIES
+    from minillm.serve.router import (
+        DEFAULT_BALANCE_ABS_THRESHOLD,
+        DEFAULT_BALANCE_REL_THRESHOLD,
+        DEFAULT_PREFIX_CHARS,
+        DEFAULT_VIRTUAL_NODES,
+        POLICIES,
+    )
 
     p = subparsers.add_parser("router", help="route requests over several minillm serve replicas")
     p.add_argument(
@@ -35,6 +41,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_VIRTUAL_NODES,
         help="prefix_aware: points of each replica on the hash ring",
     )
+    p.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=DEFAULT_BALANCE_ABS_THRESHOLD,
+        help="prefix_aware: requests in flight by which the busiest replica must lead the "
+        "least busy one (and --balance-rel-threshold times) before affinity yields to load",
+    )
+    p.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=DEFAULT_BALANCE_REL_THRESHOLD,
+        help="prefix_aware: the busiest replica's load over the least busy one's (see above)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -52,5 +71,7 @@ def _run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         prefix_chars=args.prefix_chars,
         virtual_nodes=args.virtual_nodes,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
     )
     return 0

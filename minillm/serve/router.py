@@ -25,8 +25,11 @@ The policies (pure functions and classes below, so that tests check them alone):
   tenants apart. With virtual nodes, adding a replica to N moves about 1/(N + 1) of the keys
   and removing one moves only its own; a dead replica's keys go to the next one clockwise.
   SGLang's router ("cache-aware") and vLLM's production stack route by prefix for the same
-  reason; they also fall back to the least loaded replica when one gets too busy, which this
-  router does not.
+  reason. Like SGLang's, this policy gives up affinity when the load is out of balance: when
+  the busiest live replica has more than `balance_abs_threshold` requests in flight beyond
+  the least busy one *and* more than `balance_rel_threshold` times its count, the request
+  goes to the least busy replica instead (SGLang's `CacheAwareConfig` defaults: 32 and 1.1).
+  A hot prefix then spills over instead of queueing on one replica.
 
 A replica that refuses the connection (or closes it before answering) is marked down for
 `down_for_s` seconds and the request goes to the next choice; when none is left the router
@@ -57,6 +60,8 @@ from starlette.responses import StreamingResponse
 POLICIES = ("round_robin", "least_outstanding", "prefix_aware")
 DEFAULT_PREFIX_CHARS = 256
 DEFAULT_VIRTUAL_NODES = 100
+DEFAULT_BALANCE_ABS_THRESHOLD = 32
+DEFAULT_BALANCE_REL_THRESHOLD = 1.1
 # headers of a replica's answer the client must see (the rest are the connection's own)
 PASSED_HEADERS = ("content-type", "retry-after", "x-request-id")
 PASSED_PREFIXES = ("x-ratelimit-",)
@@ -132,6 +137,19 @@ def least_outstanding(candidates: Sequence[str], outstanding: dict[str, int], tu
     raise AssertionError("unreachable")
 
 
+def is_imbalanced(
+    loads: Sequence[int],
+    abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
+    rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
+) -> bool:
+    """Whether the busiest replica is ahead of the least busy one by more than abs_threshold
+    requests and more than rel_threshold times its load (both must hold)."""
+    if not loads:
+        return False
+    busiest, idlest = max(loads), min(loads)
+    return busiest - idlest > abs_threshold and busiest > idlest * rel_threshold
+
+
 def prefix_key(body: object, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> str:
     """The routing key of a request body: the first `prefix_chars` characters of its prompt
     (completions: the prompt, or the first of a batch; token ids: as text; chat: the
@@ -184,9 +202,22 @@ class Router:
         down_for_s: float = 5.0,
         timeout_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
+        balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        if not isinstance(balance_abs_threshold, int) or balance_abs_threshold < 0:
+            raise ValueError(
+                f"balance_abs_threshold must be an int >= 0, got {balance_abs_threshold!r}"
+            )
+        if not isinstance(balance_rel_threshold, int | float) or balance_rel_threshold < 1:
+            raise ValueError(
+                f"balance_rel_threshold must be a number >= 1, got {balance_rel_threshold!r}"
+            )
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = float(balance_rel_threshold)
+        self.spilled_total = 0  # prefix_aware requests sent elsewhere for balance
         if not isinstance(prefix_chars, int) or prefix_chars < 1:
             raise ValueError(f"prefix_chars must be an int >= 1, got {prefix_chars!r}")
         self.replicas = check_replicas(replicas)
@@ -218,6 +249,11 @@ class Router:
         if self.policy == "round_robin":
             return self.round_robin.choose(candidates)
         if self.policy == "least_outstanding":
+            self.round_robin.turn += 1
+            return least_outstanding(candidates, self.outstanding, self.round_robin.turn)
+        loads = [self.outstanding[r] for r in candidates]
+        if is_imbalanced(loads, self.balance_abs_threshold, self.balance_rel_threshold):
+            self.spilled_total += 1
             self.round_robin.turn += 1
             return least_outstanding(candidates, self.outstanding, self.round_robin.turn)
         allowed = set(candidates)
@@ -335,6 +371,12 @@ class Router:
         ):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             lines += [f'{name}{{replica="{r}"}} {v}' for r, v in values.items()]
+        name = "minillm_router_balance_spills_total"
+        lines += [
+            f"# HELP {name} prefix_aware requests sent to the least busy replica for balance.",
+            f"# TYPE {name} counter",
+            f"{name} {self.spilled_total}",
+        ]
         return "\n".join(lines) + "\n"
 
     async def aclose(self) -> None:

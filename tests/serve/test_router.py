@@ -20,6 +20,7 @@ from minillm.serve.router import (
     HashRing,
     RoundRobin,
     Router,
+    is_imbalanced,
     least_outstanding,
     prefix_key,
     run_router,
@@ -107,6 +108,43 @@ def test_router_options_are_checked():
         Router(["http://a:1"], "prefix_aware", prefix_chars=0)
 
 
+@pytest.mark.parametrize(
+    "loads, imbalanced",
+    [
+        ([0, 0], False),
+        ([33, 0], True),  # 33 - 0 > 32 and 33 > 0
+        ([32, 0], False),  # not more than 32 ahead
+        ([100, 60], True),  # 40 ahead and 100 > 66
+        ([100, 91], False),  # 100 < 91 * 1.1 = 100.1: relatively balanced
+        ([5], False),
+        ([], False),
+    ],
+)
+def test_imbalance_needs_both_thresholds(loads, imbalanced):
+    assert is_imbalanced(loads, 32, 1.1) is imbalanced
+
+
+def test_prefix_aware_spills_to_the_least_busy_replica_when_out_of_balance():
+    replicas = ["http://a:1", "http://b:1", "http://c:1"]
+    router = Router(replicas, "prefix_aware", balance_abs_threshold=4, balance_rel_threshold=1.5)
+    body = {"prompt": "the shared system prompt " * 20}
+    home = router.choose(body)
+    # balanced: every request of the prefix goes home, even with some load there
+    router.outstanding[home] = 4
+    assert {router.choose(body) for _ in range(5)} == {home}
+    # the home replica 5 ahead of an idle one: the next goes to the least busy replica
+    router.outstanding[home] = 5
+    others = [r for r in replicas if r != home]
+    router.outstanding[others[0]] = 1
+    assert router.choose(body) == others[1]
+    assert router.spilled_total == 1
+    assert "minillm_router_balance_spills_total 1" in router.render_metrics()
+    with pytest.raises(ValueError, match="balance_rel_threshold"):
+        Router(replicas, "prefix_aware", balance_rel_threshold=0.5)
+    with pytest.raises(ValueError, match="balance_abs_threshold"):
+        Router(replicas, "prefix_aware", balance_abs_threshold=-1)
+
+
 def test_router_command_line():
     from minillm.cli.main import build_parser
 
@@ -114,6 +152,7 @@ def test_router_command_line():
     args = build_parser("router").parse_args([*argv, "--policy", "prefix_aware"])
     assert args.replica == ["http://a:1", "http://b:2", "http://c:3"]
     assert (args.policy, args.prefix_chars) == ("prefix_aware", 256)
+    assert (args.balance_abs_threshold, args.balance_rel_threshold) == (32, 1.1)
 
 
 def test_choose_skips_a_replica_marked_down_until_its_time_is_up():
