@@ -163,3 +163,21 @@ def test_book_map_draws_every_package_and_real_chapters():
             modules = [m.name for m in pkgutil.iter_modules(package.__path__)]
             mentions = [name, name.replace(".", "/") + "/", *modules]
             assert any(m in page for m in mentions), (name, first)
+
+
+def test_schedule_draws_a_cell_per_scheduled_request_and_step():
+    traces = [
+        StepTrace(4, [("a", 24, "prefill"), ("b", 9, "prefill")], [], 1),
+        StepTrace(5, [("a", 1, "decode"), ("b", 1, "decode")], []),
+        StepTrace(6, [("a", 1, "decode"), ("c", 15, "prefill")], []),
+    ]
+    canvas = journey.draw_schedule([("t", traces, ["a", "b", "c"])])
+    assert canvas.labels() == ["24", "9", "15"]  # prefill cells hold their token counts
+    cells = canvas.boxes[:-2]  # the last two boxes are the legend's
+    assert len(cells) == 6
+    # columns are steps counted from the run's first step; rows are requests top to bottom
+    xs = sorted({round(x) for x, _, _, _, _ in cells})
+    assert len(xs) == 3 and xs[2] - xs[0] == 2
+    (c_box,) = [b for b in cells if b[4] == "15"]
+    (a_box,) = [b for b in cells if b[4] == "24"]
+    assert c_box[1] < a_box[1] and round(c_box[0]) == xs[2]

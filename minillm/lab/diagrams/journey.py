@@ -369,7 +369,7 @@ def draw_engine_step(trace: StepTrace) -> StageCanvas:
     num_tokens = sum(n for _, n, _ in trace.scheduled)
     num_sampled = len(trace.scheduled)
     c = StageCanvas(24, 9.6)
-    w, h = 10.0, 2.6
+    w, h = 9.0, 2.6
     schedule = c.stage(
         0.3,
         6.7,
@@ -381,7 +381,7 @@ def draw_engine_step(trace: StepTrace) -> StageCanvas:
         "host",
     )
     execute = c.stage(
-        13.7,
+        14.7,
         6.7,
         w,
         h,
@@ -391,7 +391,7 @@ def draw_engine_step(trace: StepTrace) -> StageCanvas:
         "compute",
     )
     update = c.stage(
-        13.7,
+        14.7,
         0.3,
         w,
         h,
@@ -408,11 +408,61 @@ def draw_engine_step(trace: StepTrace) -> StageCanvas:
         execute,
         update,
         f"{num_sampled} sampled " + ("token" if num_sampled == 1 else "tokens"),
-        label_offset=(2.7, 0),
+        label_offset=(2.4, 0),
     )
     c.arrow(update, detok, "progressed requests", label_offset=(0, 0.45))
     c.arrow(detok, schedule, "next step", kind="accent", label_offset=(1.3, 0))
     c.text(12.0, 4.8, f"LLMEngine.step, step {trace.step}", family=MONO, fontweight="bold")
+    return c
+
+
+def draw_schedule(runs: Sequence[tuple[str, Sequence[StepTrace], Sequence[str]]]) -> Canvas:
+    """Schedules from the scheduler's trace, one panel per run: a row per request, a column
+    per engine step; a prefill cell (orange) holds the tokens it computed, a decode cell
+    (blue) computed one. `runs` are (title, traces, request ids) triples."""
+    num_steps = max(len(traces) for _, traces, _ in runs)
+    label_w = 1.6
+    width = max(label_w + num_steps + 0.3, 17.0)  # room for the legend
+    heights = [len(ids) + 1.6 for _, _, ids in runs]
+    height = sum(heights) + 1.2
+    c = Canvas(width, height, inches=min(7.8, width * 0.42))
+    top = height
+    for title, traces, request_ids in runs:
+        top -= 1.0
+        c.text(0.05, top + 0.3, title, ha="left", fontweight="bold", size=FONT_SIZE - 1)
+        row_of = {rid: i for i, rid in enumerate(request_ids)}
+        for rid, i in row_of.items():
+            c.text(label_w - 0.3, top - i - 0.5, rid, ha="right", size=FONT_SIZE - 1)
+        first = traces[0].step
+        for trace in traces:
+            x = label_w + trace.step - first
+            for rid, n, phase in trace.scheduled:
+                y = top - row_of[rid] - 1
+                prefill = phase == "prefill"
+                c.box(
+                    x + 0.04,
+                    y + 0.06,
+                    0.92,
+                    0.88,
+                    str(n) if prefill else "",
+                    kind="compute" if prefill else "request",
+                    fill=0.35 if prefill else 0.5,
+                    rounded=False,
+                    fontsize=FONT_SIZE - 2,
+                )
+        for k in range(0, len(traces), 5):
+            c.text(
+                label_w + k + 0.5,
+                top - len(request_ids) - 0.3,
+                str(k),
+                size=FONT_SIZE - 2,
+                color=PALETTE["muted"],
+            )
+        top -= len(request_ids) + 0.6
+    c.box(label_w, 0.15, 0.8, 0.8, kind="compute", fill=0.35, rounded=False)
+    c.text(label_w + 1.1, 0.55, "prefill (tokens computed)", ha="left", size=FONT_SIZE - 1)
+    c.box(label_w + 8.8, 0.15, 0.8, 0.8, kind="request", fill=0.5, rounded=False)
+    c.text(label_w + 9.9, 0.55, "decode (1 token)", ha="left", size=FONT_SIZE - 1)
     return c
 
 
@@ -578,6 +628,7 @@ __all__ = [
     "draw_engine_step",
     "draw_kv_cache_reuse",
     "draw_request_journey",
+    "draw_schedule",
     "draw_step_traffic",
     "request_steps",
     "resolve",
