@@ -531,8 +531,9 @@ def draw_step_traffic(
     )
     for box in (weights, kv):
         c.arrow(box, chip, kind="memory")
-    c.text(12.0, 8.9, f"{_bytes_text(cost.min_bytes)} at {bw / 1e12:.2f} TB/s", size=FONT_SIZE - 1)
-    c.text(12.0, 8.35, f"= {t_mem * 1e3:.2f} ms", size=FONT_SIZE - 1, fontweight="bold")
+    for i, line in enumerate((_bytes_text(cost.min_bytes), f"at {bw / 1e12:.2f} TB/s")):
+        c.text(12.0, 9.3 - 0.55 * i, line, size=FONT_SIZE - 1)
+    c.text(12.0, 8.2, f"= {t_mem * 1e3:.2f} ms", size=FONT_SIZE - 1, fontweight="bold")
     bound = "memory" if t_mem >= t_compute else "compute"
     c.stage(
         14.3,
