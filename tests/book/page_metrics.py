@@ -63,7 +63,20 @@ function visit(url) {
       const h1 = doc.querySelector("article h1, main h1, h1");
       const images = [...article.querySelectorAll("img")];
       const broken = images.filter((img) => !imageLoaded(img)).map((img) => img.src);
-      const figures = images.map((img) => {
+      // explorers: moving a slider must show another precomputed image, without a kernel
+      const explorers = [...article.querySelectorAll(".minillm-explorer")].map((box) => {
+        const img = box.querySelector("img");
+        const slider = box.querySelector("input[type=range]");
+        const before = img ? img.dataset.state : null;
+        if (slider) {
+          slider.value = String(Number(slider.value) === Number(slider.max) ? 0 : slider.max);
+          slider.dispatchEvent(new Event("input"));
+        }
+        return {sliders: box.querySelectorAll("input[type=range]").length,
+                works: !!img && img.dataset.state !== before,
+                alt: img ? img.getAttribute("alt") || "" : ""};
+      });
+      const figures = images.filter((img) => !img.closest(".minillm-explorer")).map((img) => {
         const figure = img.closest("figure");
         const number = figure ? figure.querySelector("figcaption .caption-number") : null;
         const caption = figure ? figure.querySelector("figcaption .caption-text") : null;
@@ -86,7 +99,7 @@ function visit(url) {
       const text = doc.body ? doc.body.innerText : "";
       const pageWidth = doc.documentElement.scrollWidth;
       resolve({url, title: h1 ? h1.textContent.replace(/[#¶]/g, "").trim() : "",
-               images: images.length, broken, figures, tables,
+               images: images.length, broken, figures, tables, explorers,
                code_share: articleHeight ? codeHeight / articleHeight : 0,
                article_height: articleHeight,
                page_width: pageWidth, frame_width: WIDTH,
@@ -216,6 +229,7 @@ def main(argv: list[str]) -> int:
             f"in {result['frame_width']}, {len(result['figures'])} figures "
             f"({len(bad_figures)} without number or alt), {len(result['tables'])} tables "
             f"({len(bad_tables)} unstyled or not scrolling), "
+            f"explorers {[e['works'] for e in result['explorers']]}, "
             f"console errors {result['console_errors']}"
         )
         for figure in bad_figures:

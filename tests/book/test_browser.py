@@ -115,3 +115,13 @@ def test_chapters_show_ideas_not_plumbing(desktop):
     shares = {page: round(r["code_share"], 3) for page, r in desktop.items() if is_chapter(page)}
     assert len(shares) == 10
     assert {page: s for page, s in shares.items() if s >= MAX_CODE_SHARE} == {}
+
+
+@pytest.mark.browser
+def test_the_explorers_work_without_a_kernel(desktop):
+    """Chapters 2 and 3 have explorers a reader of the HTML book can move: a slider shows
+    another precomputed figure (minillm.lab.explorer), with alt text."""
+    explorers = {page: r["explorers"] for page, r in desktop.items() if r["explorers"]}
+    assert {"book/02_roofline", "book/03_kv_cache"} <= set(explorers)
+    for page, found in explorers.items():
+        assert all(e["works"] and len(e["alt"].split()) >= 4 for e in found), (page, found)
