@@ -31,10 +31,10 @@ def test_tensor_parallel_mlp_draws_the_real_shard_shapes(model, tp):
 
 def test_vocab_parallel_rows_follow_the_ranges():
     labels = d.draw_vocab_parallel([5, 3000, 17], 4096, 2).labels()
-    assert labels[:3] == ["5 → row 5", "3000: 0", "17 → row 17"]
-    assert labels[3:6] == ["5: 0", "3000 → row 952", "17: 0"]
+    assert labels[:3] == ["id 5\nrow 5", "id 3000\nzeros", "id 17\nrow 17"]
+    assert labels[3:6] == ["id 5\nzeros", "id 3000\nrow 952", "id 17\nzeros"]
     three = d.draw_vocab_parallel([5, 3000], 4096, 4).labels()
-    assert "3000 → row 952" in three  # rank 2 holds rows 2048..3071: row 3000 - 2048
+    assert "id 3000\nrow 952" in three  # rank 2 holds rows 2048..3071: row 3000 - 2048
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])

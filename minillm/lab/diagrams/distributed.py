@@ -151,7 +151,7 @@ def draw_vocab_parallel(token_ids: Sequence[int], vocab_size: int, tp: int) -> C
         c.text(0.2, y + 1.1, f"GPU {r}\nrows {lo}–{hi - 1}", ha="left", size=10)
         for k, token in enumerate(token_ids):
             mine = lo <= token < hi
-            label = f"{token} → row {token - lo}" if mine else f"{token}: 0"
+            label = f"id {token}\nrow {token - lo}" if mine else f"id {token}\nzeros"
             b = c.box(
                 5.6 + 3.4 * k,
                 y + 0.3,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from matplotlib.ticker import NullFormatter
 
 from minillm.core.metrics import RequestMetrics
@@ -140,14 +141,13 @@ def plot_slo_requests(
 ) -> Figure:
     """One panel per run: each request at its (TTFT, TPOT), filled when it met both targets
     (it counts toward goodput), hollow when it missed one; the SLO is the shaded corner."""
-    fig = Figure(figsize=(PAGE_WIDTH_IN, 3.4))
+    fig = Figure(figsize=(PAGE_WIDTH_IN, 3.8))
     axes = fig.subplots(1, len(runs), sharey=True)
     axes = list(axes) if len(runs) > 1 else [axes]
     for ax, (title, timings) in zip(axes, runs, strict=True):
         outcomes = [o for o in slo_outcomes(timings, slo) if o.tpot_s is not None]
         good = [o for o in outcomes if o.meets]
         bad = [o for o in outcomes if not o.meets]
-        ax.axvspan(0, slo.ttft_s * 1e3, ymax=1, color=color("memory"), alpha=0.08)
         ax.axvline(slo.ttft_s * 1e3, color=color("memory"), ls="--", lw=1)
         ax.axhline(slo.tpot_s * 1e3, color=color("memory"), ls="--", lw=1)
         ax.scatter(
@@ -169,11 +169,25 @@ def plot_slo_requests(
         )
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())
+        (x0, x1), (_, y1) = ax.get_xlim(), ax.get_ylim()
+        ax.add_patch(
+            Rectangle(
+                (x0, 0),
+                slo.ttft_s * 1e3 - x0,
+                slo.tpot_s * 1e3,
+                color=color("memory"),
+                alpha=0.1,
+                lw=0,
+            )
+        )
+        ax.set_xlim(x0, max(x1, slo.ttft_s * 1e3 * 1.3))
+        ax.set_ylim(0, max(y1, slo.tpot_s * 1e3 * 1.15))
         ax.set_xlabel("TTFT (ms, log)")
         ax.set_title(f"{title}: {len(good)} of {len(outcomes)} good")
     axes[0].set_ylabel("TPOT (ms)")
-    axes[0].legend(loc="upper left")
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 
 
