@@ -7,6 +7,8 @@ wrong answer (it must fail with an AssertionError).
 
 from __future__ import annotations
 
+import math
+
 from .conftest import ROOT
 from .exercise_checks import ExerciseChecks
 
@@ -115,6 +117,66 @@ def right_victim(engine, running):
     return min(reversed(running), key=lambda r: (r[2], -r[1]))[0]
 
 
+def plan_running_with(victim="newest", tie="newest", give_back_tokens=True, give_back_new=True,
+                      stop_on_self=True, skip=False, blocks="ceil", mutate=False):
+    """The solution's plan_running with one mistake."""
+
+    def plan_running(running, num_free_blocks, block_size, token_budget, policy):
+        queue = [dict(zip(("id", "computed", "tokens", "blocks", "priority", "arrival"), r))
+                 for r in running]
+        original = {r["id"]: r["blocks"] for r in queue}
+        plan, preempted, free = [], [], num_free_blocks
+        i = 0
+        while (i if skip else len(plan)) < len(queue) and token_budget > 0:
+            request = queue[i if skip else len(plan)]
+            num_new = min(request["tokens"] - request["computed"], token_budget)
+            if blocks == "ceil":
+                needed = max(0, math.ceil((request["computed"] + num_new) / block_size)
+                             - request["blocks"])
+            else:
+                needed = math.ceil(num_new / block_size)
+            if skip and needed > free:
+                i += 1
+                continue
+            stop = False
+            while needed > free:
+                if policy == "priority":
+                    pick = max if victim != "min" else min
+                    if tie == "newest":
+                        victim_r = pick(reversed(queue), key=lambda r: (r["priority"], r["arrival"]))
+                    else:  # the first of the lowest priorities: the oldest among equals
+                        victim_r = pick(queue, key=lambda r: r["priority"])
+                elif victim == "oldest":
+                    victim_r = queue[0]
+                else:
+                    victim_r = queue[-1]
+                index = queue.index(victim_r)
+                queue.remove(victim_r)
+                free += victim_r["blocks"] if give_back_new else original[victim_r["id"]]
+                preempted.append(victim_r["id"])
+                if index < len(plan):
+                    tokens = plan.pop(index)[1]
+                    if give_back_tokens:
+                        token_budget += tokens
+                if victim_r is request:
+                    stop = True
+                    break
+            if stop:
+                if stop_on_self:
+                    break
+                continue
+            free -= needed
+            request["blocks"] += needed
+            plan.append((request["id"], num_new))
+            token_budget -= num_new
+            i += 1
+        if mutate:  # the preempted requests removed from the caller's list
+            running[:] = [r for r in running if r[0] not in preempted]
+        return plan, preempted
+
+    return plan_running
+
+
 WRONG_ANSWERS = {
     "my_plan": {
         "B not cut by the budget": lambda: [{"A": 6, "B": 3}, *RIGHT_PLAN[1:]],
@@ -195,11 +257,22 @@ WRONG_ANSWERS = {
             right_victim(e, r) if e == "vllm" else min(r, key=lambda x: (x[2], -x[1]))[0]
         ),
     },
+    "plan_running": {
+        "preempts the oldest": plan_running_with(victim="oldest"),
+        "priority: the highest priority goes": plan_running_with(victim="min"),
+        "priority: the oldest among equals goes": plan_running_with(tie="oldest"),
+        "a planned victim keeps its tokens": plan_running_with(give_back_tokens=False),
+        "a victim keeps this step's new blocks": plan_running_with(give_back_new=False),
+        "goes on after preempting itself": plan_running_with(stop_on_self=False),
+        "skips a request that does not fit": plan_running_with(skip=True),
+        "blocks for the new tokens only": plan_running_with(blocks="new"),
+        "removes victims from the caller's list": plan_running_with(mutate=True),
+    },
 }
 
 
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch04_scheduling.ipynb"
     EXERCISE = ROOT / "exercises" / "ch04_scheduling.ipynb"
-    POINTS = [2, 4, 3, 2, 2, 3, 3, 3, 2]
+    POINTS = [2, 4, 3, 2, 3, 3, 3, 2, 5]
     WRONG_ANSWERS = WRONG_ANSWERS
