@@ -219,6 +219,42 @@ def sequences(window: str, rounding=math.floor):
     return sequences_that_fit
 
 
+def evict_with(locks=True, lru=True, parents=True, parents_ordered=True, parent_lock=True,
+               whole=True, overshoot=True, count_nodes=False, update_count=True):
+    """The solution's evict with one mistake."""
+
+    def evict(cache, num_tokens):
+        candidates, stack = [], list(cache.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if not node.children and (node.lock_ref == 0 or not locks):
+                candidates.append(node)
+        if not parents_ordered:  # sorted once; parents join at the end
+            candidates.sort(key=lambda n: n.last_access)
+        freed = 0
+        while (freed < num_tokens or not whole) and candidates:
+            if parents_ordered:
+                pick = min if lru else max
+                leaf = pick(candidates, key=lambda n: n.last_access)
+            else:
+                leaf = candidates[0]
+            if not overshoot and freed + len(leaf.key) > num_tokens:
+                break
+            candidates.remove(leaf)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            if update_count:
+                cache.num_cached_tokens -= len(leaf.key)
+            freed += 1 if count_nodes else len(leaf.key)
+            if (parents and parent is not cache.root and not parent.children
+                    and (parent.lock_ref == 0 or not parent_lock)):
+                candidates.append(parent)
+        return freed
+
+    return evict
+
+
 def preemption(count: str):
     """measure_preemption that reports the wrong token count; needs the notebook's globals."""
 
@@ -308,11 +344,22 @@ WRONG_ANSWERS = {
         "all tokens run": preemption("all tokens"),
         "all output tokens": preemption("all output tokens"),
     },
+    "evict": {
+        "locks ignored": evict_with(locks=False),
+        "most recently used first": evict_with(lru=False),
+        "parents never become candidates": evict_with(parents=False),
+        "parents join behind newer leaves": evict_with(parents_ordered=False),
+        "a locked parent becomes a candidate": evict_with(parent_lock=False),
+        "every unlocked leaf goes": evict_with(whole=False),
+        "never frees more than asked": evict_with(overshoot=False),
+        "counts nodes, not tokens": evict_with(count_nodes=True),
+        "num_cached_tokens not updated": evict_with(update_count=False),
+    },
 }
 
 
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch03_kv_cache.ipynb"
     EXERCISE = ROOT / "exercises" / "ch03_kv_cache.ipynb"
-    POINTS = [2, 2, 2, 3, 3, 3, 2, 2, 2, 2]
+    POINTS = [2, 2, 3, 3, 3, 2, 2, 2, 2, 4]
     WRONG_ANSWERS = WRONG_ANSWERS
