@@ -24,5 +24,6 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree):
 
 
 def setup(app):
-    app.connect("html-page-context", _dedupe_scripts, priority=900)
+    # early: html-page-context stops at the first handler that returns a template name
+    app.connect("html-page-context", _dedupe_scripts, priority=100)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
