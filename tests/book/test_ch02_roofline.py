@@ -12,6 +12,7 @@ import time
 
 from minillm.lab import roofline
 from minillm.lab.catalog import get_model_config
+from minillm.sampling_params import SamplingParams
 
 from .conftest import ROOT
 from .exercise_checks import ExerciseChecks, FromNamespace
@@ -87,6 +88,89 @@ def no_warmup_time_s(fn, repeats):
     return best
 
 
+def per_op_with(how="max", bytes_of="all", bound="strict"):
+    """The solution's per_op_floor_s with one mistake."""
+
+    def per_op_floor_s(step, peak, bw):
+        if how == "whole":
+            whole_s = max(step.flops / peak, step.bytes / bw)
+            return whole_s, {op.name: "compute" if op.flops / peak > op.bytes / bw else "memory"
+                             for op in step.ops}
+        total, bounds = 0.0, {}
+        for op in step.ops:
+            num_bytes = op.bytes if bytes_of == "all" else op.weight_bytes + op.kv_bytes
+            compute_s, memory_s = op.flops / peak, num_bytes / bw
+            total += compute_s + memory_s if how == "sum" else max(compute_s, memory_s)
+            is_compute = compute_s > memory_s
+            if bound == "inverted":
+                is_compute = not is_compute
+            bounds[op.name] = "compute" if is_compute else "memory"
+        return total, bounds
+
+    return per_op_floor_s
+
+
+def first_batch_with(whole_bytes="all", offset=0, never_none=False):
+    """The solution's first_batch_apart with one mistake."""
+
+    def first_batch_apart(config, context_len, dtype, peak, bw, max_batch=2048):
+        for b in range(1, max_batch + 1):
+            s = roofline.decode_step_cost(config, b, context_len, dtype)
+            num_bytes = s.bytes if whole_bytes == "all" else s.min_bytes
+            per_op = sum(max(op.flops / peak, op.bytes / bw) for op in s.ops)
+            if per_op > 1.1 * max(s.flops / peak, num_bytes / bw):
+                return b + offset
+        return max_batch if never_none else None
+
+    return first_batch_apart
+
+
+def decode_timer(how="fastest", max_tokens_extra=1, unit_s=1.0):
+    """The solution's fastest_decode_step_s with one mistake."""
+
+    def fastest_decode_step_s(engine, prompts, repeats):
+        params = SamplingParams(temperature=0.0, max_tokens=repeats + max_tokens_extra,
+                                ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        if how == "constant":
+            while engine.has_unfinished_requests():
+                engine.step()
+            return 0.015
+        times = []
+        if how == "with prefill":
+            repeats += 1
+        else:
+            engine.step()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        if how == "mean":
+            return sum(times) / len(times)
+        if how == "first":
+            return times[0]
+        if how == "total":
+            return sum(times)
+        return min(times) * unit_s
+
+    return fastest_decode_step_s
+
+
+def utilization_with(kv=True, activations=False, percent=False):
+    """The solution's utilization with one mistake."""
+
+    def utilization(config, batch_size, context_len, step_time_s, peak, bw, dtype="bfloat16"):
+        step = roofline.decode_step_cost(config, batch_size, context_len, dtype)
+        num_bytes = step.weight_bytes + (step.kv_bytes if kv else 0)
+        if activations:
+            num_bytes = step.bytes
+        scale = 100 if percent else 1
+        return scale * step.flops / step_time_s / peak, scale * num_bytes / step_time_s / bw
+
+    return utilization
+
+
 def highest_intensity_op():
     cost = roofline.decode_step_cost(get_model_config("Llama 3.1 8B"), 64, 4096)
     return max(cost.ops, key=lambda op: op.intensity).name
@@ -117,11 +201,6 @@ WRONG_ANSWERS = {
         ),
         "bytes per FLOP": lambda tf, sparse, bw: bw / (tf / (2 if sparse else 1)),
     },
-    "step_floor_s": {
-        "sum of the floors": lambda f, b, p, bw: f / p + b / bw,
-        "the smaller floor": lambda f, b, p, bw: min(f / p, b / bw),
-        "compute floor only": lambda f, b, p, bw: f / p,
-    },
     "decode_ops": {
         "K and V with every query head": decode_ops_with(mha=True),
         "context without the new token": decode_ops_with(context_offset=-1),
@@ -148,10 +227,31 @@ WRONG_ANSWERS = {
         "one too many": shifted("compute_bound_batch", 1),
         "never None": never_none("compute_bound_batch", 1),
     },
-    "mbu_from_time": {
-        "a percentage": lambda w, kv, bsz, ctx, t, bw: 100 * (w + bsz * ctx * kv) / t / bw,
-        "weights only": lambda w, kv, bsz, ctx, t, bw: w / t / bw,
-        "one sequence's KV": lambda w, kv, bsz, ctx, t, bw: (w + ctx * kv) / t / bw,
+    "per_op_floor_s": {
+        "the whole step's floor": per_op_with(how="whole"),
+        "sum of each op's two floors": per_op_with(how="sum"),
+        "weights and KV only": per_op_with(bytes_of="min"),
+        "bounds swapped": per_op_with(bound="inverted"),
+    },
+    "first_batch_apart": {
+        "whole-step floor from min_bytes": first_batch_with(whole_bytes="min"),
+        "one batch too many": first_batch_with(offset=1),
+        "one batch too few": first_batch_with(offset=-1),
+        "never None": first_batch_with(never_none=True),
+    },
+    "fastest_decode_step_s": {
+        "mean, not the fastest": decode_timer("mean"),
+        "the first decode step": decode_timer("first"),
+        "prefill timed too": decode_timer("with prefill"),
+        "a made-up time": decode_timer("constant"),
+        "all the steps together": decode_timer("total"),
+        "milliseconds": decode_timer(unit_s=1e3),
+        "requests outlive the timed steps": decode_timer(max_tokens_extra=5),
+    },
+    "utilization": {
+        "weights only": utilization_with(kv=False),
+        "activations counted": utilization_with(activations=True),
+        "percentages": utilization_with(percent=True),
     },
     "best_time_s": {
         "mean, not the fastest": mean_time_s,
@@ -176,5 +276,5 @@ WRONG_ANSWERS = {
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch02_roofline.ipynb"
     EXERCISE = ROOT / "exercises" / "ch02_roofline.ipynb"
-    POINTS = [3, 3, 2, 2, 4, 3, 3, 2, 3, 2]
+    POINTS = [3, 4, 2, 2, 4, 3, 4, 2]
     WRONG_ANSWERS = WRONG_ANSWERS
