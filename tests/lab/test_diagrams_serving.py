@@ -88,7 +88,8 @@ def test_token_bucket_events_are_the_buckets_answers():
     assert max(level for _, level in samples) <= 1000.0 + 1e-9
     fig = s.plot_token_bucket(100.0, 1000.0, requests)
     notes = [t.get_text() for t in fig.axes[0].texts]
-    assert f"600: 429\nRetry-After {math.ceil(events[1].wait_s)} s" in notes
+    assert f"600:\n429\nRetry-After\n{math.ceil(events[1].wait_s)} s" in notes
+    assert notes.count("600:\nadmitted") == 2
 
 
 def test_autoscaler_draws_the_measured_phases():

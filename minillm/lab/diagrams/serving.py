@@ -361,9 +361,9 @@ def plot_token_bucket(rate: float, burst: float, requests: Sequence[tuple[float,
         ax.bar(
             e.time_s, e.tokens, width=0.12, color=color("memory" if ok else "accent"), alpha=0.55
         )
-        text = "admitted" if ok else f"429\nRetry-After {math.ceil(e.wait_s - EPSILON)} s"
+        text = "admitted" if ok else f"429\nRetry-After\n{math.ceil(e.wait_s - EPSILON)} s"
         ax.annotate(
-            f"{e.tokens:.0f}: {text}",
+            f"{e.tokens:.0f}:\n{text}",
             (e.time_s, e.tokens),
             xytext=(4, 4),
             textcoords="offset points",
