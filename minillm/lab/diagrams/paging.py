@@ -263,8 +263,15 @@ def draw_block_pool(
         raise ValueError(
             f"a pool of {pool.num_blocks} blocks is too large to draw; use <= {4 * per_row}"
         )
+    owners: dict[int, list[str]] = {}
+    for req, table in tables.items():
+        for i, block_id in enumerate(table):
+            owners.setdefault(block_id, []).append(f"{req}{i}" if len(req) == 1 else f"{req}.{i}")
+    # the owners of a block are written under it, two to a line
+    tag_lines = max([-(-len(o) // 2) for o in owners.values()], default=1)
     num_rows = -(-pool.num_blocks // per_row)
-    req_h, cell_h, row_pitch, base = 1.6, 1.5, 2.3, 2.6
+    req_h, cell_h, base = 1.6, 1.5, 2.6
+    row_pitch = 1.8 + 0.5 * tag_lines
     area_h = max(len(tables) * req_h, num_rows * row_pitch)
     width = 30.0
     canvas = PartsCanvas(width, base + area_h + 1.0)
@@ -276,10 +283,6 @@ def draw_block_pool(
         (px0 + per_row * pitch / 2, "physical blocks of the pool"),
     ):
         canvas.text(x, top + 0.5, heading, size=FONT_SIZE - 1, color=PALETTE["muted"])
-    owners: dict[int, list[str]] = {}
-    for req, table in tables.items():
-        for i, block_id in enumerate(table):
-            owners.setdefault(block_id, []).append(f"{req}{i}" if len(req) == 1 else f"{req}.{i}")
     # the pool first: where every table entry points
     pos = {}
     for block in pool.blocks:
@@ -306,8 +309,17 @@ def draw_block_pool(
             fontsize=FONT_SIZE - 1,
         )
         if block.block_id in owners:  # which table entries point here: A1 is A's block 1
-            tags = " ".join(owners[block.block_id])
-            canvas.text(x + 0.8, y - 0.3, tags, size=FONT_SIZE - 2, color=color("request"))
+            tags = owners[block.block_id]
+            lines = [" ".join(tags[k : k + 2]) for k in range(0, len(tags), 2)]
+            canvas.text(
+                x + 0.8,
+                y - 0.1,
+                "\n".join(lines),
+                size=FONT_SIZE - 2,
+                color=color("request"),
+                va="top",
+            )
+            tags = " ".join(tags)
             canvas._parts.append(("owners", f"{block.block_id}: {tags}"))
     for r, (req, table) in enumerate(tables.items()):
         y = top - (r + 1) * req_h + 0.3
