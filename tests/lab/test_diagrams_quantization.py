@@ -50,10 +50,23 @@ def test_group_scales_are_the_layers_stored_scales_and_zeros():
     labels = dq.draw_group_scales(layer).labels()
     g, n = layer.scales.shape  # [K / group_size, N]
     assert (g, n) == (4, 4)
-    scales = [f"{float(layer.scales[gi, row]):.3g}" for gi in range(g) for row in range(n)]
-    zeros = [str(int(layer.zeros().T[gi, row])) for gi in range(g) for row in range(n)]
-    assert labels == scales + zeros
+    assert dq.scale_exponent(layer.scales) == 0  # scales of N(0, 1) weights need no exponent
+    expected = []
+    for gi in range(g):
+        for row in range(n):
+            expected += [f"{float(layer.scales[gi, row]):.3g}", str(int(layer.zeros()[row, gi]))]
+    assert labels == expected
     assert dq.draw_group_scales(small_int4_layer(seed=1)).labels() != labels
+
+
+def test_small_scales_are_drawn_in_a_power_of_ten():
+    g = torch.Generator().manual_seed(0)
+    q, s, z = rtn(0.01 * torch.randn(4, 16, generator=g), int4_spec(4))
+    layer = Int4Linear(q, s, z, 4, None, torch.float32)
+    e = dq.scale_exponent(layer.scales)
+    assert e == -3
+    labels = dq.draw_group_scales(layer).labels()
+    assert labels[0] == f"{float(layer.scales[0, 0]) * 1000:.3g}"
 
 
 def test_int4_packing_reads_the_packed_bytes():

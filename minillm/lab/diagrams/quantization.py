@@ -17,6 +17,7 @@ the FP8 KV cache, each drawn from the engine's own definitions and tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from unittest import mock
@@ -97,72 +98,88 @@ def _fmt(value: float) -> str:
     return f"{value:.3g}"
 
 
+def scale_exponent(values: torch.Tensor) -> int:
+    """The power of ten a diagram divides small scales by so that they read as 1-2 digits."""
+    biggest = float(values.abs().max())
+    return math.floor(math.log10(biggest)) if 0 < biggest < 0.1 else 0
+
+
 def draw_group_scales(layer: Int4Linear, rows: int = 4) -> Canvas:
     """A W4A16 layer's weight [N, K] with its groups along K, and the `scales` and zero points
-    it stores, [K / group_size, N] (group-major), for the first `rows` output channels."""
+    it stores, [K / group_size, N] (group-major), for the first `rows` output channels. Group 1
+    of channel 0 and its scale and zero point are highlighted."""
     n = min(rows, layer.out_features)
     k, g = layer.in_features, layer.group_size
     num_groups = k // g
-    cell = 0.45
+    cell, sw, zw, sh = 0.55, 1.3, 1.0, 0.7
     w_width = k * cell
-    gap = 1.6
-    grid_w = n * 1.3
-    width = 1.2 + w_width + gap + 2 * grid_w + 1.0
-    height = 1.6 + max(n * cell, num_groups * 0.7) + 0.9
+    gap = 1.2
+    width = 1.3 + w_width + gap + n * sw + 0.4 + n * zw + 0.3
+    height = 1.5 + max(n * cell, num_groups * sh) + 0.9
     c = Canvas(width, height)
-    top = height - 1.2
-    x0 = 1.2
+    top = height - 1.3
+    x0 = 1.3
     c.text(x0 + w_width / 2, height - 0.35, f"weight W [N = {layer.out_features}, K = {k}]")
     for gi in range(num_groups):
         kind = "request" if gi % 2 == 0 else "host"
         for row in range(n):
+            here = "accent" if (gi, row) == (1, 0) else kind
             c.box(
                 x0 + gi * g * cell,
                 top - (row + 1) * cell,
                 g * cell,
                 cell,
                 "",
-                kind,
+                here,
                 rounded=False,
-                fill=0.7 if row else 0.45,
+                fill=0.45 if here == "accent" else 0.7,
             )
-        c.text(x0 + (gi + 0.5) * g * cell, top + 0.25, f"group {gi}", size=SMALL)
+        c.text(x0 + (gi + 0.5) * g * cell, top + 0.3, f"group {gi}", size=SMALL)
     for row in range(n):
         c.text(x0 - 0.15, top - (row + 0.5) * cell, f"n={row}", ha="right", size=SMALL)
-    scales = layer.scales.float()  # [G, N]
-    zeros = layer.zeros().T  # [G, N]
+    scales = layer.scales.float()[:, :n]  # [G, N]
+    zeros = layer.zeros().T[:, :n]  # [G, N]
+    e = scale_exponent(scales)
     sx = x0 + w_width + gap
-    for title, values, dx in (
-        ("scales [G, N]", scales, 0.0),
-        ("zero points [G, N]", zeros, grid_w),
-    ):
-        c.text(sx + dx + grid_w / 2, height - 0.35, title)
-        for gi in range(num_groups):
-            for row in range(n):
-                value = values[gi, row]
-                label = _fmt(float(value)) if values.dtype.is_floating_point else str(int(value))
-                c.box(
-                    sx + dx + row * 1.3,
-                    top - (gi + 1) * 0.7,
-                    1.3,
-                    0.7,
-                    label,
-                    "memory",
-                    rounded=False,
-                    fill=0.75,
-                    fontsize=SMALL,
-                )
-    c.arrow(
-        (x0 + g * cell * 1.5, top - cell * 0.5),
-        (sx + 0.1, top - 0.7 * 1.5),
-        "one scale per group",
-        kind="accent",
-        curve=0.2,
-        label_offset=(0.3, -0.75),
+    zx = sx + n * sw + 0.4
+    scale_title = f"scales [G, N] x 1e{e}" if e else "scales [G, N]"
+    c.text(sx + n * sw / 2, height - 0.35, scale_title)
+    c.text(zx + n * zw / 2, height - 0.35, "zero points")
+    for gi in range(num_groups):
+        for row in range(n):
+            here = "accent" if (gi, row) == (1, 0) else "memory"
+            c.box(
+                sx + row * sw,
+                top - (gi + 1) * sh,
+                sw,
+                sh,
+                f"{float(scales[gi, row]) / 10**e:.3g}",
+                here,
+                rounded=False,
+                fill=0.75,
+                fontsize=SMALL,
+            )
+            c.box(
+                zx + row * zw,
+                top - (gi + 1) * sh,
+                zw,
+                sh,
+                str(int(zeros[gi, row])),
+                here,
+                rounded=False,
+                fill=0.75,
+                fontsize=SMALL,
+            )
+    c.text(
+        x0 + w_width / 2,
+        top - n * cell - 0.45,
+        "w = s (q - z): one scale and zero point per group",
+        size=SMALL,
+        color="#C44E52",
     )
     c.text(
-        sx + grid_w,
-        top - num_groups * 0.7 - 0.4,
+        sx + (n * sw + 0.4 + n * zw) / 2,
+        top - num_groups * sh - 0.4,
         "row g, column n: group g of channel n",
         size=SMALL,
         color="#6F6F6F",
@@ -303,7 +320,9 @@ def draw_gptq_step(original: torch.Tensor, snapshots: Sequence[GptqSnapshot], st
     width = 2 * k * cw + gap + 0.6
     c = Canvas(width, n * rh + 1.6)
     top = c.height - 0.9
-    c.text(0.3 + k * cw / 2, c.height - 0.35, "W before")
+    e = scale_exponent(original)
+    unit = f" (x 1e{e})" if e else ""
+    c.text(0.3 + k * cw / 2, c.height - 0.35, f"W before{unit}")
     c.text(0.3 + k * cw + gap + k * cw / 2, c.height - 0.35, f"quantizing column {step}")
     for col in range(k):
         for row in range(n):
@@ -313,7 +332,7 @@ def draw_gptq_step(original: torch.Tensor, snapshots: Sequence[GptqSnapshot], st
                 y,
                 cw,
                 rh,
-                _fmt(float(original[row, col])),
+                _fmt(float(original[row, col]) / 10**e),
                 "free",
                 rounded=False,
                 fill=0.4,
@@ -342,7 +361,7 @@ def draw_gptq_step(original: torch.Tensor, snapshots: Sequence[GptqSnapshot], st
                     y,
                     cw,
                     rh,
-                    _fmt(float(snap.weights[row, col])),
+                    _fmt(float(snap.weights[row, col]) / 10**e),
                     "compute",
                     rounded=False,
                     fill=0.7,
@@ -427,4 +446,5 @@ __all__ = [
     "draw_smoothquant",
     "gptq_snapshots",
     "kv_fp8_layer_scales",
+    "scale_exponent",
 ]
