@@ -354,6 +354,7 @@ WRONG_ANSWERS = {
         "never frees more than asked": evict_with(overshoot=False),
         "counts nodes, not tokens": evict_with(count_nodes=True),
         "num_cached_tokens not updated": evict_with(update_count=False),
+        "cache.evict called": lambda cache, n: cache.evict(n),
     },
 }
 
