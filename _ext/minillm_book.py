@@ -16,7 +16,9 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree):
     for script in scripts:
         # the same file, or the same inline body, whatever its priority
         attributes = getattr(script, "attributes", {}) or {}
-        key = (getattr(script, "filename", str(script)), str(attributes.get("body", "")))
+        # an inline script is registered with filename None once and "" the next time
+        filename = getattr(script, "filename", str(script)) or ""
+        key = (filename, str(attributes.get("body", "")))
         if key not in seen:
             seen.add(key)
             unique.append(script)
