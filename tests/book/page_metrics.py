@@ -93,6 +93,7 @@ function visit(url) {
       let codeHeight = 0;
       for (const block of article.querySelectorAll("div.highlight")) {
         if (block.parentElement.closest("div.highlight")) continue;
+        if (block.closest("details:not([open])")) continue;  // folded behind a toggle
         if (visible(block)) codeHeight += block.getBoundingClientRect().height;
       }
       const articleHeight = article.getBoundingClientRect().height;
