@@ -222,6 +222,15 @@ def _heading(source: str) -> tuple[int, str] | None:
     return None
 
 
+def bootstrap_index(nb) -> int | None:
+    """The index of the bootstrap cell: the first code cell, when it is one (an exercise's
+    title comes before it, a solution's after it); None without one."""
+    first = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"), None)
+    if first is not None and looks_like_bootstrap_cell(nb.cells[first]):
+        return first
+    return None
+
+
 def parse_exercises(nb: nbformat.NotebookNode) -> ExerciseSet:
     """Read `nb` as a reference. Raises ValueError ("cell N: ...") for a malformed notebook."""
     recorded = recorded_exercises(nb)
@@ -266,6 +275,7 @@ def parse_exercises(nb: nbformat.NotebookNode) -> ExerciseSet:
     pending: list[tuple[int, str, str, list[str]]] = []
     statement: list[str] = []
     heading: tuple[int, str] | None = None
+    bootstrap = bootstrap_index(nb)
     for index, cell in enumerate(nb.cells):
         if cell.cell_type == "markdown":
             if _heading(cell.source):
@@ -273,7 +283,7 @@ def parse_exercises(nb: nbformat.NotebookNode) -> ExerciseSet:
             if heading is not None:
                 statement.append(cell.source)
             continue
-        if cell.cell_type != "code" or (index == 0 and looks_like_bootstrap_cell(cell)):
+        if cell.cell_type != "code" or index == bootstrap:
             continue
         points = graded_points(cell.source)
         if points is not None:
@@ -425,10 +435,11 @@ def student_code(submission: nbformat.NotebookNode, reference: ExerciseSet) -> S
     found: set[int] = set()
     current = 0
     edited_setup = []
+    bootstrap = bootstrap_index(submission)
     for index, cell in enumerate(submission.cells):
         if cell.cell_type != "code" or graded_points(cell.source) is not None:
             continue
-        if index == 0 and looks_like_bootstrap_cell(cell):
+        if index == bootstrap:
             continue
         cell_id = cell.get("id")
         exercise: int | None = answer_ids.get(cell_id)

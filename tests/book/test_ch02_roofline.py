@@ -94,8 +94,10 @@ def per_op_with(how="max", bytes_of="all", bound="strict"):
     def per_op_floor_s(step, peak, bw):
         if how == "whole":
             whole_s = max(step.flops / peak, step.bytes / bw)
-            return whole_s, {op.name: "compute" if op.flops / peak > op.bytes / bw else "memory"
-                             for op in step.ops}
+            return whole_s, {
+                op.name: "compute" if op.flops / peak > op.bytes / bw else "memory"
+                for op in step.ops
+            }
         total, bounds = 0.0, {}
         for op in step.ops:
             num_bytes = op.bytes if bytes_of == "all" else op.weight_bytes + op.kv_bytes
@@ -129,8 +131,9 @@ def decode_timer(how="fastest", max_tokens_extra=1, unit_s=1.0):
     """The solution's fastest_decode_step_s with one mistake."""
 
     def fastest_decode_step_s(engine, prompts, repeats):
-        params = SamplingParams(temperature=0.0, max_tokens=repeats + max_tokens_extra,
-                                ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=repeats + max_tokens_extra, ignore_eos=True
+        )
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
         if how == "constant":

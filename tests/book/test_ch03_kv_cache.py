@@ -219,8 +219,17 @@ def sequences(window: str, rounding=math.floor):
     return sequences_that_fit
 
 
-def evict_with(locks=True, lru=True, parents=True, parents_ordered=True, parent_lock=True,
-               whole=True, overshoot=True, count_nodes=False, update_count=True):
+def evict_with(
+    locks=True,
+    lru=True,
+    parents=True,
+    parents_ordered=True,
+    parent_lock=True,
+    whole=True,
+    overshoot=True,
+    count_nodes=False,
+    update_count=True,
+):
     """The solution's evict with one mistake."""
 
     def evict(cache, num_tokens):
@@ -247,8 +256,12 @@ def evict_with(locks=True, lru=True, parents=True, parents_ordered=True, parent_
             if update_count:
                 cache.num_cached_tokens -= len(leaf.key)
             freed += 1 if count_nodes else len(leaf.key)
-            if (parents and parent is not cache.root and not parent.children
-                    and (parent.lock_ref == 0 or not parent_lock)):
+            if (
+                parents
+                and parent is not cache.root
+                and not parent.children
+                and (parent.lock_ref == 0 or not parent_lock)
+            ):
                 candidates.append(parent)
         return freed
 

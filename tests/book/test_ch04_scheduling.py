@@ -117,13 +117,23 @@ def right_victim(engine, running):
     return min(reversed(running), key=lambda r: (r[2], -r[1]))[0]
 
 
-def plan_running_with(victim="newest", tie="newest", give_back_tokens=True, give_back_new=True,
-                      stop_on_self=True, skip=False, blocks="ceil", mutate=False):
+def plan_running_with(
+    victim="newest",
+    tie="newest",
+    give_back_tokens=True,
+    give_back_new=True,
+    stop_on_self=True,
+    skip=False,
+    blocks="ceil",
+    mutate=False,
+):
     """The solution's plan_running with one mistake."""
 
     def plan_running(running, num_free_blocks, block_size, token_budget, policy):
-        queue = [dict(zip(("id", "computed", "tokens", "blocks", "priority", "arrival"), r))
-                 for r in running]
+        queue = [
+            dict(zip(("id", "computed", "tokens", "blocks", "priority", "arrival"), r, strict=True))
+            for r in running
+        ]
         original = {r["id"]: r["blocks"] for r in queue}
         plan, preempted, free = [], [], num_free_blocks
         i = 0
@@ -131,8 +141,9 @@ def plan_running_with(victim="newest", tie="newest", give_back_tokens=True, give
             request = queue[i if skip else len(plan)]
             num_new = min(request["tokens"] - request["computed"], token_budget)
             if blocks == "ceil":
-                needed = max(0, math.ceil((request["computed"] + num_new) / block_size)
-                             - request["blocks"])
+                needed = max(
+                    0, math.ceil((request["computed"] + num_new) / block_size) - request["blocks"]
+                )
             else:
                 needed = math.ceil(num_new / block_size)
             if skip and needed > free:
@@ -143,7 +154,9 @@ def plan_running_with(victim="newest", tie="newest", give_back_tokens=True, give
                 if policy == "priority":
                     pick = max if victim != "min" else min
                     if tie == "newest":
-                        victim_r = pick(reversed(queue), key=lambda r: (r["priority"], r["arrival"]))
+                        victim_r = pick(
+                            reversed(queue), key=lambda r: (r["priority"], r["arrival"])
+                        )
                     else:  # the first of the lowest priorities: the oldest among equals
                         victim_r = pick(queue, key=lambda r: r["priority"])
                 elif victim == "oldest":

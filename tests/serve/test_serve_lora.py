@@ -94,8 +94,8 @@ def test_the_command_line_takes_vllms_lora_flags():
     from minillm.cli.serve import engine_options
 
     args = build_parser("serve").parse_args(
-        ["serve", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "4",
-         "--lora-modules", "sql=/a", "chat=/b"]
+        ["serve", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+         "--max-cpu-loras", "4", "--lora-modules", "sql=/a", "chat=/b"]
     )  # fmt: skip
     assert engine_options(args) == {
         "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4
