@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 import torch
-from tiny_llama import build_tiny_llama, greedy_reference
+from tiny_llama import build_tiny_llama, greedy_reference, random_lora_weights
 
 from minillm import LLM, LoRARequest, SamplingParams
 from minillm.engine.args import EngineArgs
@@ -27,19 +27,6 @@ PROMPTS = [[5, 17, 42, 9, 77, 3, 11], [8, 8, 120, 33, 4, 61, 2], [90, 14, 15, 16
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def random_adapter(model, targets, rank, seed):
-    """{module name: (A [r, in], B [out, r])} for every targeted linear, large enough that
-    the adapter changes greedy tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
-            a = torch.randn(rank, module.in_features, generator=gen) * 0.3
-            b = torch.randn(module.out_features, rank, generator=gen) * 0.3
-            weights[name] = (a, b)
-    return weights
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +45,7 @@ def adapters(tiny_dir, tmp_path_factory):
     }
     out = {}
     for lora_id, (name, (targets, rank, alpha, seed)) in enumerate(specs.items(), start=1):
-        weights = random_adapter(model, targets, rank, seed)
+        weights = random_lora_weights(model, targets, rank, seed)
         path = save_lora_adapter(root / name, weights, alpha)
         out[name] = (LoRARequest(name, lora_id, str(path)), weights, alpha / rank)
     return out

@@ -73,3 +73,16 @@ def greedy_reference(model, prompt_token_ids: list[int], max_tokens: int) -> lis
             logits = model.forward_causal(torch.tensor([token_ids]))
             token_ids.append(int(logits[0, -1].argmax()))
     return token_ids[len(prompt_token_ids) :]
+
+
+def random_lora_weights(model, targets, rank: int, seed: int) -> dict:
+    """{module name: (A [r, in], B [out, r])} for every linear layer of `model` named in
+    `targets`, large enough that the adapter changes greedy tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            a = torch.randn(rank, module.in_features, generator=gen) * 0.3
+            b = torch.randn(module.out_features, rank, generator=gen) * 0.3
+            weights[name] = (a, b)
+    return weights

@@ -11,7 +11,6 @@ import sys
 
 import httpx
 import pytest
-import torch
 
 from minillm import LLM, LoRARequest, SamplingParams
 from minillm.model.lora import save_lora_adapter
@@ -19,7 +18,7 @@ from minillm.serve import run_server
 from minillm.serve.server import lora_module_requests
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "engine"))  # the tiny model builder
-from tiny_llama import build_tiny_llama  # noqa: E402
+from tiny_llama import build_tiny_llama, random_lora_weights  # noqa: E402
 
 PROMPT = [5, 17, 42, 9, 77, 3, 11]
 
@@ -30,14 +29,7 @@ def adapter_dir(tmp_path_factory):
 
     model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny"))
     model = load_model(model_dir, "float32").model
-    gen = torch.Generator().manual_seed(4)
-    weights = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.endswith(("q_proj", "v_proj")):
-            weights[name] = (
-                torch.randn(4, module.in_features, generator=gen) * 0.3,
-                torch.randn(module.out_features, 4, generator=gen) * 0.3,
-            )
+    weights = random_lora_weights(model, ("q_proj", "v_proj"), rank=4, seed=4)
     path = save_lora_adapter(tmp_path_factory.mktemp("adapter") / "attn", weights, 8.0)
     return model_dir, path
 
