@@ -1,0 +1,36 @@
+"""What more than one page of chapter 5 computes: the exercise notebook's points, and the
+fusion counts of the engine's RMSNorm that the chapter's summary quotes."""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+from minillm.course.grading import graded_points, read_notebook
+from minillm.lab.op_trace import OpRecord, trace_ops
+from minillm.model.config import ModelConfig
+from minillm.model.llama import RMSNorm
+
+
+def exercise_points(path: str | pathlib.Path) -> tuple[int, int] | None:
+    """(graded cells, points) of an exercise notebook; None where the file is absent (Colab)."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return None
+    points = [
+        graded_points(c.source)
+        for c in read_notebook(path).cells
+        if c.cell_type == "code" and graded_points(c.source) is not None
+    ]
+    return len(points), sum(points)
+
+
+def rmsnorm_fusion_trace(config: ModelConfig, tokens: int = 4096) -> list[OpRecord]:
+    """The eager operations of the engine's RMSNorm with residual on a bfloat16 prefill
+    chunk of `tokens` tokens of `config`, each with the bytes it moves (`trace_ops`)."""
+    norm = RMSNorm(config.hidden_size, config.rms_norm_eps).to(torch.bfloat16)
+    x = torch.randn(tokens, config.hidden_size, dtype=torch.bfloat16)
+    residual = torch.randn(tokens, config.hidden_size, dtype=torch.bfloat16)
+    _, ops = trace_ops(norm, x, residual)
+    return ops
