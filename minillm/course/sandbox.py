@@ -280,6 +280,10 @@ def describe_failure(exc: BaseException, sources: dict[str, str]) -> dict:
 
 OWN_PACKAGES = ("minillm", "kernels", "builtins", "__main__")  # every attribute counts
 DEEP_PACKAGES = ("minillm", "kernels", "hypothesis", "torch", "numpy", "__main__")
+# libraries that rebind their own functions as they run: Triton's interpreter replaces the
+# builtins of triton.language (program_id, arange, ...) with its own while it runs a kernel,
+# and leaves some replaced after a kernel defined in an exercise cell has run
+REBINDING_PACKAGES = ("triton",)
 SKIPPED_ATTRIBUTES = re.compile(r"^(__warningregistry__|__loader__|__spec__|_abc_.*|__cached__)$")
 
 
@@ -344,6 +348,8 @@ def _class_state(cls: type) -> tuple:
 def _watched(name: str, attr: str, value: object) -> bool:
     """Whether rebinding `attr` of module `name` counts as tampering."""
     if SKIPPED_ATTRIBUTES.match(attr) or name == "sys":  # sys's hooks are compared apart
+        return False
+    if name.split(".")[0] in REBINDING_PACKAGES:
         return False
     if _own(name):
         return True

@@ -11,12 +11,19 @@ import math
 import time
 
 import torch
+import torch.nn.functional as F
+
+import kernels  # noqa: F401  (sets TRITON_INTERPRET=1 without CUDA, before triton loads)
+
+# isort: split
+import triton
+import triton.language as tl
 
 from kernels.device import ARCH_LIMITS
 from minillm.lab.op_trace import trace_ops
 
 from .conftest import ROOT
-from .exercise_checks import ExerciseChecks
+from .exercise_checks import ExerciseChecks, FromNamespace
 
 
 def float64_scalar(x):
@@ -269,6 +276,65 @@ def padded_with(bucket, count_steps=False):
     return padded_rows
 
 
+@triton.jit
+def unmasked_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    """silu(g) * u with no mask at all: the last block reads and writes past the end."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(gate_ptr + offsets).to(tl.float32)
+    u = tl.load(up_ptr + offsets).to(tl.float32)
+    tl.store(out_ptr + offsets, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def store_unmasked_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    """Masked loads, but the store of the last block writes past the end."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def gate_times_up_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    """g * u: the silu left out."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, (g * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sigmoid_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    """sigmoid(g) * u: silu's factor g left out."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, (tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def not_a_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK=128):
+    """A plain Python function with the kernel's signature."""
+    out_ptr.copy_(F.silu(gate_ptr) * up_ptr)
+
+
+def silu_mul_with(grid_of=triton.cdiv, out_dtype=None, into_gate=False):
+    """The launcher with one thing wrong, launching the notebook's own kernel."""
+
+    def factory(namespace):
+        def silu_mul(gate, up, block=128):
+            out = gate if into_gate else torch.empty_like(gate, dtype=out_dtype or gate.dtype)
+            n = gate.numel()
+            namespace["silu_mul_kernel"][(grid_of(n, block),)](gate, up, out, n, BLOCK=block)
+            return out
+
+        return silu_mul
+
+    return FromNamespace(factory)
+
+
 WRONG_ANSWERS = {
     "online_attention": {
         "accumulator not rescaled": online(rescale_acc=False),
@@ -377,11 +443,24 @@ WRONG_ANSWERS = {
         "every batch padded to max_num_seqs": padded_with(one_graph),
         "steps that pad, not rows": padded_with(right_bucket, count_steps=True),
     },
+    "silu_mul_kernel": {
+        "no mask": unmasked_kernel,
+        "the store unmasked": store_unmasked_kernel,
+        "g * u, no silu": gate_times_up_kernel,
+        "sigmoid(g) * u": sigmoid_kernel,
+        "a Python function, not a kernel": not_a_kernel,
+    },
+    "silu_mul": {
+        "PyTorch, no kernel": lambda gate, up, block=128: F.silu(gate) * up,
+        "programs rounded down": silu_mul_with(grid_of=lambda n, block: n // block),
+        "written into the gate": silu_mul_with(into_gate=True),
+        "a float32 output": silu_mul_with(out_dtype=torch.float32),
+    },
 }
 
 
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch05_kernels.ipynb"
     EXERCISE = ROOT / "exercises" / "ch05_kernels.ipynb"
-    POINTS = [4, 3, 3, 3, 2, 2, 3, 3, 4, 2]
+    POINTS = [4, 3, 3, 3, 2, 2, 3, 3, 4, 2, 3]
     WRONG_ANSWERS = WRONG_ANSWERS
