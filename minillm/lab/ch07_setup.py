@@ -16,7 +16,6 @@ import pathlib
 import torch
 
 from minillm import LLM
-from minillm.course.notebook_io import graded_points, read_notebook
 from minillm.lab.figures import use_house_style
 from minillm.model.tokenizer import Tokenizer
 
@@ -41,5 +40,8 @@ def exercise_points(path: pathlib.Path) -> list[int] | None:
     """
     if not path.exists():
         return None
+    # imported here: validating notebooks pulls in jsonschema, seconds a page need not pay
+    from minillm.course.notebook_io import graded_points, read_notebook
+
     cells = [c for c in read_notebook(path).cells if c.cell_type == "code"]
     return [p for p in (graded_points(c.source) for c in cells) if p is not None]
