@@ -45,12 +45,19 @@ def word_count(md_text: str) -> int:
     return len(_WORD.findall(prose(md_text)))
 
 
-def reading_minutes(md_text: str, words_per_minute: int = WORDS_PER_MINUTE) -> int:
-    """Minutes to read a page at `words_per_minute`, rounded up to the next 5."""
+def reading_minutes(md_text: str | list[str], words_per_minute: int = WORDS_PER_MINUTE) -> int:
+    """Minutes to read a page, or a chapter's pages, at `words_per_minute`, rounded up to
+    the next 5."""
     if words_per_minute <= 0:
         raise ValueError(f"words_per_minute must be positive, got {words_per_minute}")
-    minutes = word_count(md_text) / words_per_minute
+    minutes = chapter_word_count(md_text) / words_per_minute
     return max(5, 5 * math.ceil(minutes / 5))
+
+
+def chapter_word_count(pages: str | list[str]) -> int:
+    """Words of prose of one page, or of a chapter split into pages (each with its own
+    front matter)."""
+    return word_count(pages) if isinstance(pages, str) else sum(map(word_count, pages))
 
 
 def _paragraph_after(md_text: str, label: str) -> str:

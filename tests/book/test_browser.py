@@ -19,6 +19,8 @@ PHONE_WIDTH = 420
 # the share of a chapter page's height that may be visible code (the rest: prose, figures,
 # tables, the engine's excerpts included in the code)
 MAX_CODE_SHARE = 0.25
+# a chapter page's height at 1280 px, in screens of 900 px (page_metrics' viewport)
+SCREEN_PX, MAX_PAGE_SCREENS = 900, 25
 
 
 def expected_title(page: str) -> str:
@@ -113,15 +115,28 @@ def test_no_page_scrolls_sideways_on_a_phone(phone):
 @pytest.mark.browser
 def test_chapters_show_ideas_not_plumbing(desktop):
     shares = {page: round(r["code_share"], 3) for page, r in desktop.items() if is_chapter(page)}
-    assert len(shares) == 10
+    assert {int(page[5:7]) for page in shares} == set(range(1, 11)), "each page of ten chapters"
     assert {page: s for page, s in shares.items() if s >= MAX_CODE_SHARE} == {}
 
 
 @pytest.mark.browser
+def test_no_chapter_page_is_longer_than_about_25_screens(desktop):
+    """A long chapter is split into pages (its sections in the table of contents), so that
+    no page of a chapter runs past MAX_PAGE_SCREENS screens of 900 px at desktop width."""
+    tall = {
+        page: round(r["article_height"] / SCREEN_PX, 1)
+        for page, r in desktop.items()
+        if is_chapter(page) and r["article_height"] > MAX_PAGE_SCREENS * SCREEN_PX
+    }
+    assert tall == {}
+
+
+@pytest.mark.browser
 def test_the_explorers_work_without_a_kernel(desktop):
-    """Chapters 2 and 3 have explorers a reader of the HTML book can move: a slider shows
+    """Chapters 2 and 3 have explorers a reader of the HTML book can move (on one of their
+    pages): a slider shows
     another precomputed figure (minillm.lab.explorer), with alt text."""
     explorers = {page: r["explorers"] for page, r in desktop.items() if r["explorers"]}
-    assert {"book/02_roofline", "book/03_kv_cache"} <= set(explorers)
+    assert {2, 3} <= {int(page[5:7]) for page in explorers if is_chapter(page)}
     for page, found in explorers.items():
         assert all(e["works"] and len(e["alt"].split()) >= 4 for e in found), (page, found)

@@ -47,6 +47,12 @@ def test_reading_minutes_round_up_to_five(words, minutes):
     assert timing.reading_minutes("word " * words, words_per_minute=200) == minutes
 
 
+def test_a_chapter_in_pages_counts_each_page_without_its_front_matter():
+    assert timing.chapter_word_count([PAGE, PAGE]) == 2 * timing.word_count(PAGE) == 66
+    assert timing.reading_minutes(["word " * 1000, "word " * 1001], words_per_minute=200) == 15
+    assert timing.reading_minutes("word " * 2001, words_per_minute=200) == 15
+
+
 def test_reading_rate_must_be_positive():
     with pytest.raises(ValueError, match="words_per_minute"):
         timing.reading_minutes("a b c", words_per_minute=0)
