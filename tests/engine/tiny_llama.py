@@ -13,6 +13,8 @@ import pathlib
 import tokenizers
 import torch
 
+from minillm.lab import lora_demo
+
 VOCAB_SIZE = 320
 BOS, EOS = 0, 1
 TRAINING_TEXT = [
@@ -78,11 +80,4 @@ def greedy_reference(model, prompt_token_ids: list[int], max_tokens: int) -> lis
 def random_lora_weights(model, targets, rank: int, seed: int) -> dict:
     """{module name: (A [r, in], B [out, r])} for every linear layer of `model` named in
     `targets`, large enough that the adapter changes greedy tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
-            a = torch.randn(rank, module.in_features, generator=gen) * 0.3
-            b = torch.randn(module.out_features, rank, generator=gen) * 0.3
-            weights[name] = (a, b)
-    return weights
+    return lora_demo.random_lora_weights(model, targets, rank, seed)
