@@ -191,8 +191,10 @@ def test_every_term_role_names_a_glossary_entry():
 
 
 def chapter_pages() -> list[str]:
-    """The numbered chapters of the table of contents, in order (book/01_..., ...)."""
-    return [p for p in toc_files() if re.fullmatch(r"book/\d\d_\w+", p) and p[5:7] != "00"]
+    """The numbered chapters of the table of contents, in order (book/01_..., ...): each
+    chapter's first page; a long chapter's later pages are its sections."""
+    pages = [p for p in toc_files() if re.fullmatch(r"book/\d\d_\w+", p) and p[5:7] != "00"]
+    return [p for i, p in enumerate(pages) if p[5:7] not in {q[5:7] for q in pages[:i]}]
 
 
 def test_every_chapter_number_in_the_prose_is_a_chapter_of_the_book():
