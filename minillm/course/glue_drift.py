@@ -24,6 +24,7 @@ import argparse
 import ast
 import json
 import pathlib
+import re
 from collections.abc import Sequence
 
 
@@ -52,6 +53,14 @@ def text_glues(build: str | pathlib.Path) -> dict[tuple[str, str], str]:
     return found
 
 
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def words(text: str) -> str:
+    """The text with every number replaced by #: what must not change between builds."""
+    return _NUMBER.sub("#", text)
+
+
 def drift(builds: Sequence[str | pathlib.Path]) -> dict[tuple[str, str], list[str | None]]:
     """{(chapter, key): the text in each build} for the keys whose text differs between
     builds (None where a build has no such key: the page changed between them)."""
@@ -62,7 +71,7 @@ def drift(builds: Sequence[str | pathlib.Path]) -> dict[tuple[str, str], list[st
     return {
         key: [v.get(key) for v in values]
         for key in sorted(keys)
-        if all(key in v for v in values) and len({v[key] for v in values}) > 1
+        if all(key in v for v in values) and len({words(v[key]) for v in values}) > 1
     }
 
 

@@ -41,6 +41,20 @@ def test_only_words_that_differ_are_reported(tmp_path):
     assert glue_drift.main([str(a), str(a)]) == 0
 
 
+def test_numbers_inside_a_sentence_do_not_count(tmp_path):
+    a = write_build(tmp_path / "a", {"04_x": {"s": "'longer (663 ms): it grows'"}})
+    b = write_build(tmp_path / "b", {"04_x": {"s": "'longer (1,604.5 ms): it grows'"}})
+    c = write_build(tmp_path / "c", {"04_x": {"s": "'shorter (604 ms): it grows'"}})
+    assert glue_drift.drift([a, b]) == {}
+    assert glue_drift.drift([a, b, c]) == {
+        ("04", "s"): [
+            "longer (663 ms): it grows",
+            "longer (1,604.5 ms): it grows",
+            "shorter (604 ms): it grows",
+        ]
+    }
+
+
 def test_a_key_that_moved_to_another_page_of_its_chapter_still_compares(tmp_path):
     a = write_build(tmp_path / "a", {"03_kv_cache": {"fits": "'fits'"}})
     b = write_build(tmp_path / "b", {"03_kv_cache_pressure": {"fits": "'does not fit'"}})
