@@ -27,6 +27,12 @@ sample from which row (n > 1: the other completions are forked here, in `schedul
 prompt's last chunk is planned). After the model runs, `update_from_output` appends each sampled
 token and checks the stop tokens and the length limits (`check_stop`); text and stop strings
 are the engine's output processor's business.
+
+Async scheduling (`EngineArgs.async_scheduling`) plans a step while the previous one's forward
+still runs: `schedule_ahead` advances the requests of the step in flight as if it had finished,
+with a placeholder (`PLACEHOLDER_TOKEN_ID`) for every token it is still sampling, and plans from
+there; `update_from_output` then puts the sampled tokens in the placeholders' place. While a
+forward runs, the blocks of the requests it reads are not given back (`forward_done`).
 """
 
 from __future__ import annotations
@@ -40,8 +46,11 @@ from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.metrics import StepTrace
 from minillm.core.request import Request, RequestStatus
 from minillm.outputs import SampledToken
+from minillm.sampling_params import SamplingParams
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")
+# async scheduling: the token a step in flight is still sampling (no real token has this id)
+PLACEHOLDER_TOKEN_ID = -1
 BATCHING_TYPES = ("continuous", "static")
 
 
@@ -100,6 +109,10 @@ class ScheduledRequest:
     # decode only), and the drafts the proposer put there; num_new_tokens counts both
     num_lookahead_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
+    # the chunk's input tokens, copied when the step is planned: the model runner reads these,
+    # not the request, which async scheduling moves on while the forward runs. A placeholder
+    # here (the last token, a decode planned ahead) is resolved by the forward thread.
+    token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def plan(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
@@ -120,6 +133,9 @@ class ScheduledRequest:
             samples=samples,
             phase="decode" if is_decode else "prefill",
             num_lookahead_tokens=num_lookahead_tokens,
+            token_ids=request.all_token_ids[
+                num_computed_tokens : num_computed_tokens + num_new_tokens
+            ],
         )
 
     @property
@@ -145,6 +161,13 @@ class SchedulerOutput:
     num_batched_tokens: int = 0  # sum of num_new_tokens over `scheduled`
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    # async scheduling: the requests were advanced past this step (`Scheduler.schedule_ahead`)
+    # before its tokens came back; each token it samples fills a placeholder
+    advanced: bool = False
+
+    def seq_ids(self) -> set[str]:
+        """Every sequence the step reads the blocks of: the scheduled ones and their forks."""
+        return {seq.request_id for s in self.scheduled for seq in (s.request, *s.forks)}
 
     def trace(self) -> StepTrace:
         """A compact record of the step, for tables and plots."""
@@ -201,6 +224,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.static_batch: set[str] = set()  # batching_type="static": ids of the current batch
         self.finished_req_ids: list[str] = []  # since the last plan
+        # async scheduling: the sequences whose blocks the forward in flight reads, and the
+        # blocks of those among them that finished since, given back by forward_done
+        self.in_flight_ids: set[str] = set()
+        self.held_blocks: list[list] = []
+        self._planning_ahead = False
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -276,6 +304,8 @@ class Scheduler:
         Returns False when the request itself had to be preempted.
         """
         while not self.kv_cache_manager.allocate_slots(request, num_new_tokens):
+            if self._planning_ahead:
+                raise _WouldPreempt  # nothing is freed while the step in flight may read it
             victim = self._preemption_victim()
             self.running.remove(victim)
             # under the priority policy the victim may already be planned for this step
@@ -402,10 +432,15 @@ class Scheduler:
 
         `sampled` holds the token of every sequence that sampled one, by id (forks included).
         Returns the sequences that got a new token, finished ones included.
+
+        An advanced step (`schedule_ahead`) has already counted its tokens as computed and
+        holds a placeholder where each sampled token goes; a request that finished meanwhile
+        (a stop found one step late, an abort) is skipped: its token is dropped.
         """
         now = self.clock()
         progressed: list[Request] = []
         finished: list[Request] = []
+        advanced = output.advanced
         for scheduled in output.scheduled:
             request = scheduled.request
             if request.status.is_finished:
@@ -415,7 +450,8 @@ class Scheduler:
                     finished.append(request)
                 progressed.append(request)
                 continue
-            request.num_computed_tokens += scheduled.num_new_tokens
+            if not advanced:
+                request.num_computed_tokens += scheduled.num_new_tokens
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             if not scheduled.samples:
                 continue
@@ -424,7 +460,12 @@ class Scheduler:
                     continue
                 seq.num_computed_tokens = request.num_computed_tokens
                 token = sampled[seq.request_id]
-                seq.append_output_token(token.token_id, token.logprobs)
+                if advanced:
+                    seq.all_token_ids[-1] = token.token_id  # the placeholder's place
+                    if token.logprobs is not None:
+                        seq.output_logprobs.append(token.logprobs)
+                else:
+                    seq.append_output_token(token.token_id, token.logprobs)
                 seq.metrics.record_token(now)
                 progressed.append(seq)
                 if check_stop(seq, self.max_model_len):
@@ -496,9 +537,132 @@ class Scheduler:
         for request in finished:
             if request.metrics.finished_time is None:
                 request.metrics.record_finished(now)
-            self.kv_cache_manager.free(request)
+            if request.request_id in self.in_flight_ids:
+                self._hold_blocks(request)
+            else:
+                self.kv_cache_manager.free(request)
             del self.requests[request.request_id]
             self.finished_req_ids.append(request.request_id)
+
+    # async scheduling -----------------------------------------------------------------------
+
+    def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+        """Plan the step after `in_flight` while its forward still runs, or return None (and
+        change nothing that matters) where that is not safe; the engine then waits for the
+        step and plans after it.
+
+        The requests are first advanced past `in_flight` (`advance`): its tokens count as
+        computed, and every sequence it samples for holds a placeholder token, so the next
+        plan's positions, KV slots and token budget count the token still being sampled. A
+        sequence whose sampled token will be its last by length (max_tokens, max_model_len) is
+        known now and left out of the next plan. None when a sequence of `in_flight` reads
+        its own history when it samples (`reads_history`), when an unfinished request has a
+        penalty (`has_penalties`), when nothing would be left to plan, or when the plan would
+        have to preempt: the step in flight may read the blocks a preemption frees. Blocks
+        allocated before that was found stay with their requests, which need them for their
+        next tokens anyway.
+        """
+        # a penalty counts the tokens of every row of the batch (the sampler's token counts),
+        # so one request with a penalty anywhere rules out planning ahead
+        if any(has_penalties(r.sampling_params) for r in self.requests.values()):
+            return None
+        for scheduled in in_flight.scheduled:
+            if any(reads_history(seq) for seq in scheduled.sampling_seqs):
+                return None
+        running_before = list(self.running)
+        self.advance(in_flight)
+        if not (self.waiting or self.running):
+            self.running = running_before
+            self.undo_advance(in_flight)
+            return None
+        self._planning_ahead = True
+        try:
+            return self.schedule()
+        except _WouldPreempt:
+            self.num_steps -= 1
+            self.running = running_before
+            self.undo_advance(in_flight)
+            return None
+        finally:
+            self._planning_ahead = False
+
+    def advance(self, plan: SchedulerOutput) -> None:
+        """Move the requests of a step in flight past it, as update_from_output will: tokens
+        computed, a placeholder for each sampled token; those that end by length with it
+        leave the running batch now (their blocks stay theirs until the step is processed)."""
+        for scheduled in plan.scheduled:
+            request = scheduled.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += scheduled.num_new_tokens
+            for seq in scheduled.sampling_seqs:
+                if seq.is_finished:
+                    continue
+                seq.num_computed_tokens = request.num_computed_tokens
+                seq.all_token_ids.append(PLACEHOLDER_TOKEN_ID)
+                max_tokens = seq.sampling_params.max_tokens
+                if (
+                    max_tokens is not None and seq.num_output_tokens >= max_tokens
+                ) or seq.num_tokens >= self.max_model_len:
+                    self.running.remove(seq)
+        plan.advanced = True
+
+    def undo_advance(self, plan: SchedulerOutput) -> None:
+        """Take back `advance` for a step whose tokens will not come (interrupted) or that is
+        processed the usual way after all: placeholders go, counts return, and a sequence
+        left out by length rejoins the running batch (at its end)."""
+        for scheduled in plan.scheduled:
+            request = scheduled.request
+            if request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens -= scheduled.num_new_tokens
+            for seq in scheduled.sampling_seqs:
+                if seq.is_finished:
+                    continue
+                if seq.all_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                    seq.all_token_ids.pop()
+                if seq.status == RequestStatus.RUNNING:
+                    seq.num_computed_tokens = request.num_computed_tokens
+                    if seq not in self.running:
+                        self.running.append(seq)
+        plan.advanced = False
+
+    def forward_done(self, in_flight: SchedulerOutput | None) -> None:
+        """A forward finished: the blocks held for it go back to the pool, and `in_flight`
+        (the step planned ahead and already started, or None) is the one read from now on."""
+        for blocks in self.held_blocks:
+            self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
+        self.held_blocks = []
+        self.in_flight_ids = set() if in_flight is None else in_flight.seq_ids()
+
+    def _hold_blocks(self, request: Request) -> None:
+        """A finished request that the forward in flight still reads: its blocks leave the
+        KV-cache manager's tables (its id may be used again at once) but not the pool yet."""
+        manager = self.kv_cache_manager
+        self.held_blocks.append(manager.req_to_blocks.pop(request.request_id, []))
+        manager.req_to_block_hashes.pop(request.request_id, None)
+        manager._block_ids.pop(request.request_id, None)
+
+
+class _WouldPreempt(Exception):
+    """schedule_ahead: the plan needs blocks only a preemption would free."""
+
+
+def reads_history(seq: Request) -> bool:
+    """Whether sampling the sequence's next token reads its own tokens so far, which a
+    placeholder would hide: a grammar mask (structured outputs, and jump-forward with it)
+    follows them, min_tokens counts them until it is reached (penalties: has_penalties)."""
+    params = seq.sampling_params
+    return params.structured_outputs is not None or seq.num_output_tokens < params.min_tokens
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    """Repetition, frequency or presence penalties: the sampler counts the tokens of every
+    row of a batch that has one."""
+    return bool(
+        params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1
+    )
 
 
 def remaining_work_tokens(request: Request, max_model_len: int) -> int:

@@ -105,8 +105,8 @@ class EngineArgs:
     # speculative decoding, vLLM's dict: {"method": "draft_model" | "ngram", "model": ...,
     # "num_speculative_tokens": k, "prompt_lookup_min": ..., "prompt_lookup_max": ...}
     speculative_config: dict | SpeculativeConfig | None = None
-    # vLLM's async_scheduling: plan step n + 1 and run its forward in a worker thread while
-    # this thread turns step n's tokens into text (LLMEngine._step_async says what overlaps)
+    # vLLM's async_scheduling (overlap scheduling): plan step n + 1 while step n's forward runs
+    # in a worker thread, with placeholders for step n's tokens (LLMEngine._step_async)
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
@@ -384,8 +384,9 @@ def _check_kv_cache_and_invariance(args: EngineArgs) -> None:
 
 
 def _check_async_scheduling(args: EngineArgs) -> None:
-    """async_scheduling overlaps one process's forward with its output processing; it is not
-    built for the step loops of speculative decoding or of worker processes."""
+    """async_scheduling overlaps one process's forward with its planning and output
+    processing; it is not built for the step loops of speculative decoding or of worker
+    processes."""
     if not isinstance(args.async_scheduling, bool):
         raise ValueError(f"async_scheduling must be True or False, got {args.async_scheduling!r}")
     if not args.async_scheduling:

@@ -23,7 +23,12 @@ import torch
 
 from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.request import Request, RequestStatus
-from minillm.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from minillm.core.scheduler import (
+    PLACEHOLDER_TOKEN_ID,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerOutput,
+)
 from minillm.distributed.executor import MultiprocExecutor, WorkerError
 from minillm.distributed.parallel_state import free_port
 from minillm.distributed.worker import StepRecord, WorkerSpec
@@ -194,10 +199,11 @@ class LLMEngine:
             self.runner = self.spec_runner
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats(window=args.stats_window)
-        # async scheduling: the forward of the step planned ahead runs in this thread
+        # async scheduling: forwards run in this thread while the engine plans the next step
         self.async_scheduling = args.async_scheduling
         self._forward_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._in_flight: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
+        self._previous_token_ids: dict[str, int] = {}  # the forward thread's last tokens
         if self.async_scheduling:
             self._forward_thread = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="minillm-forward"
@@ -384,69 +390,91 @@ class LLMEngine:
             return self._step_async()
         plan = self.scheduler.schedule()
         try:
-            sampled = self.runner.execute_model(plan)
+            sampled, failed = self._execute(plan)
         except WorkerError:
-            raise  # the worker processes are gone: no request can run any more
-        except Exception as error:  # noqa: BLE001 - isolated per request below, then reported
-            sampled = self._run_one_by_one(plan, error)
+            raise
         except BaseException:
             # interrupted (Ctrl-C): nothing of the step happened; its requests recompute later
             self.scheduler.requeue(plan)
             raise
-        progressed = self.scheduler.update_from_output(plan, sampled)
-        if self.enable_jump_forward:
-            self._jump_forward(progressed)
-        stopped, failed = self.output_processor.detokenize(progressed)
-        for seq, message in failed:
-            state = self.output_processor.state_of_seq.get(seq.request_id)
-            if state is not None:
-                self.abort_request(state.request_id, error=message)
-        for seq, stop_str in stopped:
-            if seq.is_finished:  # the scheduler stopped it on length in the same step
-                seq.status, seq.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            else:
-                self.scheduler.finish_requests(
-                    [seq.request_id], RequestStatus.FINISHED_STOPPED, stop_str
-                )
-        self.stats.record_step(plan, self.scheduler, self.kv_cache_manager)
-        for seq in progressed:
-            if seq.is_finished:
-                self.structured_output_manager.free(seq.request_id)
-        return self.output_processor.make_outputs(progressed)
+        return self._process(plan, sampled, failed)
 
     def _step_async(self) -> list[RequestOutput]:
-        """One iteration with async_scheduling: the step planned ahead comes back, and the
-        next one is planned and started before this one's output is processed.
+        """One iteration with async_scheduling: overlap scheduling, as in SGLang's overlap
+        scheduler and vLLM V1's async scheduling (names checked in vLLM 0.11: its AsyncScheduler's
+        `num_output_placeholders`, its GPU model runner's `prev_sampled_token_ids`).
 
-        What overlaps: step n + 1's forward (and sampling), in a worker thread, with step n's
-        detokenization and stop-string search in this thread (torch releases the GIL inside
-        its ops). What does not: updating the requests with step n's tokens (stop tokens,
-        max_tokens, max_model_len), jump-forward, and planning step n + 1 run before the
-        forward starts, so the plan never refers to a token not yet sampled; finishing the
-        requests that reached a stop string, the step's stats and its outputs run after the
-        forward ends, so nothing the forward reads (block tables, grammars) changes under it.
+        Step n's forward runs in the forward thread. While it runs, this thread plans step
+        n + 1 (`Scheduler.schedule_ahead`) as if step n were done: every sequence step n
+        samples for gets a placeholder token (vLLM: `num_output_placeholders`), counted in
+        n + 1's positions, KV slots and token budget; a sequence whose token in step n is its
+        last by length (max_tokens, max_model_len) is not planned again. Plan n + 1 goes to the
+        forward thread, which runs plans strictly in order: when it starts n + 1, forward n has
+        finished, so it puts each sequence's token from step n in its placeholder's place (the
+        decode row's input token; vLLM fills the input ids from `prev_sampled_token_ids`)
+        before it builds the batch. This thread never waits for forward n to plan n + 1. Then
+        it takes step n's tokens and processes them (requests updated, stop tokens and
+        strings, text, outputs) while forward n + 1 runs. Nothing a forward reads changes
+        under it: the plan carries its input tokens and block tables, and the blocks of a
+        request that finishes while a forward that reads them runs go back to the pool only
+        when that forward is done (`Scheduler.forward_done`).
 
-        The price, as with vLLM's async scheduling: a request that reaches a stop string in
-        step n is already in step n + 1's batch. Its extra token is computed and dropped (the
-        scheduler skips finished requests), so the outputs are those of the engine without
-        the option; only the batches differ by that row.
+        Stops are found one step late: EOS, stop tokens and stop strings of step n come out
+        after plan n + 1 was made, so a request that stopped in step n may be in step n + 1's
+        batch; its token there is computed and dropped, and the outputs are exactly those of
+        the engine without the option.
+
+        The engine waits for step n, processes it and plans step n + 1 after it (no overlap
+        for that step, as without the option) where planning ahead is not safe: a sequence of
+        step n that reads its own tokens when it samples (a structured output's grammar mask,
+        and jump-forward with it, follows them; min_tokens counts them until it is reached),
+        an unfinished request with a repetition, frequency or presence penalty (the sampler
+        counts the tokens of every row of a batch that has one), a plan that would have to
+        preempt (the step in flight reads the blocks a preemption frees), or nothing left to
+        plan. Logprobs and n > 1 (beam search is built on both) read nothing of the history
+        and overlap. Speculative decoding and worker processes are refused (`EngineArgs`). A
+        forward that raises is re-run one request at a time in the forward thread, before the
+        next plan's placeholders are resolved (`_run_one_by_one`); Ctrl-C waits for the
+        forward thread and requeues both steps.
         """
         if self._in_flight is None:
             plan = self.scheduler.schedule()
             self._in_flight = (plan, self._start_forward(plan))
         plan, future = self._in_flight
         self._in_flight = None
-        sampled = self._forward_result(plan, future)
+        if self.scheduler.has_unfinished_requests():
+            ahead = self.scheduler.schedule_ahead(plan)  # overlaps forward n
+            if ahead is not None:
+                self._in_flight = (ahead, self._start_forward(ahead))
+        sampled, failed = self._collect(plan, future)
+        self.scheduler.forward_done(None if self._in_flight is None else self._in_flight[0])
+        outputs = self._process(plan, sampled, failed)  # overlaps forward n + 1
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            # every request of step n + 1 stopped in step n: take it in now, so that its
+            # blocks go back and the engine is idle once it reports nothing unfinished
+            plan, future = self._in_flight
+            self._in_flight = None
+            sampled, failed = self._collect(plan, future)
+            self.scheduler.forward_done(None)
+            outputs += self._process(plan, sampled, failed)
+        return outputs
+
+    def _collect(self, plan: SchedulerOutput, future: concurrent.futures.Future) -> tuple:
+        """The sampled tokens and failed requests of the forward of `plan`."""
+        try:
+            return future.result()
+        except BaseException:
+            self._requeue_in_flight(plan, future)
+            raise
+
+    def _process(self, plan: SchedulerOutput, sampled: dict, failed: list) -> list[RequestOutput]:
+        """Step `plan`'s tokens: update the requests, text and stop strings, stats, outputs."""
+        self._abort_failed(failed)
         progressed = self.scheduler.update_from_output(plan, sampled)
         if self.enable_jump_forward:
             self._jump_forward(progressed)
-        if self.scheduler.has_unfinished_requests():
-            next_plan = self.scheduler.schedule()
-            self._in_flight = (next_plan, self._start_forward(next_plan))
-        stopped, failed = self.output_processor.detokenize(progressed)  # overlaps the forward
-        if self._in_flight is not None:
-            concurrent.futures.wait([self._in_flight[1]])
-        self._finish_stopped(stopped, failed)
+        stopped, failed_text = self.output_processor.detokenize(progressed)
+        self._finish_stopped(stopped, failed_text)
         self.stats.record_step(plan, self.scheduler, self.kv_cache_manager)
         for seq in progressed:
             if seq.is_finished:
@@ -454,18 +482,54 @@ class LLMEngine:
         return self.output_processor.make_outputs(progressed)
 
     def _start_forward(self, plan: SchedulerOutput) -> concurrent.futures.Future:
-        return self._forward_thread.submit(self.runner.execute_model, plan)
+        return self._forward_thread.submit(self._forward_in_order, plan)
 
-    def _forward_result(self, plan: SchedulerOutput, future: concurrent.futures.Future) -> dict:
-        """The tokens of a forward started by _start_forward; a failed batch is re-run one
-        request at a time, in this thread, as `step` does."""
+    def _forward_in_order(self, plan: SchedulerOutput) -> tuple[dict, list]:
+        """Runs in the forward thread, one plan after the other: resolve the plan's
+        placeholders from the previous forward's tokens, then run it."""
+        previous = self._previous_token_ids
+        for scheduled in plan.scheduled:
+            token_ids = scheduled.token_ids
+            if token_ids and token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                # absent only for a request the previous forward failed on: it is aborted
+                # before this step is processed, and this row's token is dropped
+                token_ids[-1] = previous.get(scheduled.request.request_id, 0)
+        sampled, failed = self._execute(plan)
+        self._previous_token_ids = {seq_id: token.token_id for seq_id, token in sampled.items()}
+        return sampled, failed
+
+    def _requeue_in_flight(self, plan: SchedulerOutput, future: concurrent.futures.Future) -> None:
+        """Interrupted (Ctrl-C) while step `plan` ran: once the forward thread is idle, neither
+        it nor the step planned ahead happened; their requests recompute later."""
+        futures = [future]
+        if self._in_flight is not None:
+            ahead, ahead_future = self._in_flight
+            self._in_flight = None
+            ahead_future.cancel()
+            futures.append(ahead_future)
+            concurrent.futures.wait(futures)
+            self.scheduler.requeue(ahead)
+        else:
+            concurrent.futures.wait(futures)
+        if plan.advanced:
+            self.scheduler.undo_advance(plan)
+        self.scheduler.requeue(plan)
+        self.scheduler.forward_done(None)
+
+    def _execute(self, plan: SchedulerOutput) -> tuple[dict, list]:
+        """The plan's sampled tokens, and the requests it failed on (none when the batch ran)."""
         try:
-            return future.result()
+            return self.runner.execute_model(plan), []
+        except WorkerError:
+            raise  # the worker processes are gone: no request can run any more
         except Exception as error:  # noqa: BLE001 - isolated per request, then reported
             return self._run_one_by_one(plan, error)
-        except BaseException:
-            self.scheduler.requeue(plan)
-            raise
+
+    def _abort_failed(self, failed: list[tuple[ScheduledRequest, str]]) -> None:
+        for scheduled, message in failed:
+            state = self.output_processor.state_of_seq.get(scheduled.request.request_id)
+            if state is not None:
+                self.abort_request(state.request_id, error=message)
 
     def _finish_stopped(self, stopped: list, failed: list) -> None:
         """Finish what the output processor found: stop strings reached, text that failed."""
@@ -595,12 +659,16 @@ class LLMEngine:
                 "run the model colocated or with tensor_parallel_size"
             )
 
-    def _run_one_by_one(self, plan: SchedulerOutput, batch_error: Exception) -> dict:
+    def _run_one_by_one(
+        self, plan: SchedulerOutput, batch_error: Exception
+    ) -> tuple[dict, list[tuple[ScheduledRequest, str]]]:
         """The batch failed: run each scheduled request alone to find the ones it fails on.
 
-        Those are aborted and reported with their error; the others' tokens are kept, so that
-        one bad request costs the others nothing. Keys and values written by the failed
-        attempt are written again with the same values, so re-running is safe.
+        Returns the tokens of the others, and the failed requests with their error, which the
+        engine aborts and reports: one bad request costs the others nothing. Keys and values
+        written by the failed attempt are written again with the same values, so re-running
+        is safe. With async scheduling this runs in the forward thread, so that the next
+        plan's placeholders are resolved from these tokens.
         """
         sampled: dict = {}
         failed: list[tuple[ScheduledRequest, str]] = []
@@ -613,11 +681,7 @@ class LLMEngine:
         if not failed:  # only the batch as a whole fails: nobody is to blame alone
             failed = [(s, f"{type(batch_error).__name__}: {batch_error}") for s in plan.scheduled]
             sampled = {}
-        for scheduled, message in failed:
-            state = self.output_processor.state_of_seq.get(scheduled.request.request_id)
-            if state is not None:
-                self.abort_request(state.request_id, error=message)
-        return sampled
+        return sampled, failed
 
 
 def quantize_loaded_model(loaded, args: EngineArgs) -> None:

@@ -54,13 +54,17 @@ class ModelInput:
 
 
 def prepare_inputs(
-    scheduled: list[ScheduledRequest], block_size: int, device: torch.device
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    device: torch.device,
+    input_token_ids: list[list[int]] | None = None,
 ) -> ModelInput:
     """Pack the new tokens of the scheduled requests back to back into one batch.
 
     Request i contributes its tokens num_computed_tokens .. num_computed_tokens + num_new_tokens
-    - 1. Token at position p is written to slot block_table[p // block_size] * block_size +
-    p % block_size, and attends to the request's first p + 1 tokens.
+    - 1 (read from its all_token_ids, or input_token_ids[i] when given: the copy a plan
+    carries). Token at position p is written to slot block_table[p // block_size] * block_size
+    + p % block_size, and attends to the request's first p + 1 tokens.
     """
     block_tables = [chunk.block_ids for chunk in scheduled]
     input_ids: list[int] = []
@@ -68,10 +72,13 @@ def prepare_inputs(
     slot_mapping: list[int] = []
     query_start_loc = [0]
     seq_lens: list[int] = []
-    for chunk, block_table in zip(scheduled, block_tables, strict=True):
+    for i, (chunk, block_table) in enumerate(zip(scheduled, block_tables, strict=True)):
         start = chunk.num_computed_tokens
         end = start + chunk.num_new_tokens
-        input_ids += chunk.request.all_token_ids[start:end]
+        if input_token_ids is None:
+            input_ids += chunk.request.all_token_ids[start:end]
+        else:
+            input_ids += input_token_ids[i]
         positions += range(start, end)
         slot_mapping += [
             block_table[p // block_size] * block_size + p % block_size for p in range(start, end)
@@ -148,7 +155,10 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         if not scheduled:
             return {}
-        model_input = prepare_inputs(scheduled, self.block_size, self.device)
+        # the plan's own copy of the input tokens: async scheduling moves the requests on
+        model_input = prepare_inputs(
+            scheduled, self.block_size, self.device, [chunk.token_ids for chunk in scheduled]
+        )
         if self.lora_manager is not None:
             # each token row runs with its request's adapter (0: the base model alone)
             token_lora_ids = [
