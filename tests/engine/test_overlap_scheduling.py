@@ -102,12 +102,17 @@ def test_outputs_equal_the_engine_without_overlap(model_dir, workload, options):
 
 
 def test_a_pool_that_forces_preemption_gives_the_same_outputs(model_dir):
+    """Preemption frees blocks, so the engine never preempts while a step is in flight: it
+    waits for the step, then plans (and preempts) after it."""
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     arrivals = {0: [(str(i), list(range(10 + 20 * i, 22 + 20 * i)), params) for i in range(4)]}
     kwargs = {"block_size": 4, "num_gpu_blocks": 16, "max_model_len": 48}
     engine = make_engine(model_dir, True, **kwargs)
+    plans = watch_plans(engine)
     assert run(engine, arrivals) == run(make_engine(model_dir, False, **kwargs), arrivals)
-    assert engine.stats.num_preemptions > 0
+    preempting = [ahead for _step, ahead, _tokens, preempted in plans if preempted]
+    assert preempting and not any(preempting)
+    assert sum(ahead for _step, ahead, _tokens, _preempted in plans) > len(plans) // 2
 
 
 class RecordingRunner:
@@ -131,8 +136,8 @@ class RecordingRunner:
 
 
 def watch_plans(engine: LLMEngine) -> list[tuple]:
-    """(step, planned ahead, {request id: input tokens as planned}) per plan: planned ahead
-    when made before the previous step's tokens were taken in (update_from_output)."""
+    """(step, planned ahead, {request id: input tokens as planned}, preempted) per plan;
+    planned ahead: made before the previous step's tokens were taken in (update_from_output)."""
     plans, updated = [], set()
     scheduler = engine.scheduler
     schedule, update = scheduler.schedule, scheduler.update_from_output
@@ -140,7 +145,8 @@ def watch_plans(engine: LLMEngine) -> list[tuple]:
     def recorded_schedule():
         plan = schedule()
         tokens = {s.request.request_id: list(s.token_ids) for s in plan.scheduled}
-        plans.append((plan.step, plan.step > 0 and plan.step - 1 not in updated, tokens))
+        ahead = plan.step > 0 and plan.step - 1 not in updated
+        plans.append((plan.step, ahead, tokens, bool(plan.preempted)))
         return plan
 
     def recorded_update(plan, sampled):
@@ -190,9 +196,9 @@ def test_placeholders_are_resolved_from_the_previous_steps_tokens(model_dir):
     plans = watch_plans(engine)
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)
     run(engine, {0: [("a", [3, 4, 5], params)], 2: [("b", list(range(40, 52)), params)]})
-    ahead = [(step, tokens) for step, is_ahead, tokens in plans if is_ahead]
+    ahead = [(step, tokens) for step, is_ahead, tokens, _ in plans if is_ahead]
     # every plan but the first is made while the previous forward runs
-    assert [step for step, _ in ahead] == [step for step, _, _ in plans[1:]]
+    assert [step for step, _ in ahead] == [step for step, *_ in plans[1:]]
     for step, tokens in ahead:
         for request_id, planned in tokens.items():
             if planned == [PLACEHOLDER_TOKEN_ID]:  # a decode planned ahead
@@ -262,7 +268,7 @@ def test_a_penalty_in_the_batch_makes_the_engine_plan_after_each_step(model_dir)
         engine = make_engine(model_dir, True)
         plans = watch_plans(engine)
         assert run(engine, arrivals) == run(make_engine(model_dir, False), arrivals)
-        return [ahead for _step, ahead, _tokens in plans]
+        return [ahead for _step, ahead, *_ in plans]
 
     plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     assert planned_ahead({0: [("a", [3, 4, 5], plain), ("b", [7, 8], plain)]}) == [
@@ -276,3 +282,40 @@ def test_a_penalty_in_the_batch_makes_the_engine_plan_after_each_step(model_dir)
         # arriving at step 2: b's first steps overlap, none once the penalty is in the engine
         late = planned_ahead({0: [("b", [7, 8], longer)], 2: [("a", [3, 4, 5], params)]})
         assert late[:3] == [False, True, True] and not any(late[3:])
+
+
+def test_an_interrupted_step_requeues_both_steps_and_changes_no_output(model_dir):
+    """Ctrl-C while step 3 runs (step 4 planned ahead, its placeholders in the requests):
+    neither step happened, the requests recompute them, and the outputs are unchanged."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    arrivals = {0: [("a", [3, 4, 5], params), ("b", list(range(20, 31)), params)]}
+    engine = make_engine(model_dir, True)
+    runner = engine.runner
+
+    class InterruptedRunner:
+        interrupted = False
+
+        def execute_model(self, plan):
+            if plan.step == 3 and not self.interrupted:
+                self.interrupted = True
+                raise KeyboardInterrupt
+            return runner.execute_model(plan)
+
+    engine.runner = InterruptedRunner()
+    for request_id, prompt, p in arrivals[0]:
+        engine.add_request(request_id, prompt, p)
+    results = {}
+    with pytest.raises(KeyboardInterrupt):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert PLACEHOLDER_TOKEN_ID not in engine.scheduler.requests["a"].all_token_ids
+    assert engine.scheduler.running == [] and engine.kv_cache_manager.req_to_blocks == {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = tuple(
+                    (tuple(c.token_ids), c.text, c.finish_reason, c.stop_reason)
+                    for c in output.outputs
+                )
+    engine.shutdown()
+    assert results == run(make_engine(model_dir, False), arrivals)
