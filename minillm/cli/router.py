@@ -54,6 +54,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_BALANCE_REL_THRESHOLD,
         help="prefix_aware: the busiest replica's load over the least busy one's (see above)",
     )
+    p.add_argument(
+        "--rate-limit-tokens-per-minute",
+        type=float,
+        default=None,
+        help="a token bucket per API key for the whole deployment, kept here: prompt + n * "
+        "max_tokens reserved, unused part given back; past it, 429 with Retry-After",
+    )
+    p.add_argument(
+        "--rate-limit-burst-tokens",
+        type=float,
+        default=None,
+        help="tokens a key may spend at once (default: a minute's worth)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="MODEL_OR_PATH",
+        help="the replicas' model (a bundled name or a local directory), whose tokenizer and "
+        "chat template count a request's tokens (default: the bundled model)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the replicas' --max-model-len, for max_tokens left unset (default: theirs)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -73,5 +99,9 @@ def _run(args: argparse.Namespace) -> int:
         virtual_nodes=args.virtual_nodes,
         balance_abs_threshold=args.balance_abs_threshold,
         balance_rel_threshold=args.balance_rel_threshold,
+        rate_limit_tokens_per_minute=args.rate_limit_tokens_per_minute,
+        rate_limit_burst_tokens=args.rate_limit_burst_tokens,
+        tokenizer=args.tokenizer,
+        max_model_len=args.max_model_len,
     )
     return 0

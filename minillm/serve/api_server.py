@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minillm.lora.request import LoRARequest
 from minillm.outputs import CompletionOutput, RequestOutput
+from minillm.sampling_params import SamplingParams
 from minillm.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 from minillm.serve.chat_template import ChatTemplate, ChatTemplateError
 from minillm.serve.metrics import ServerMetrics
@@ -66,49 +67,20 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-class OpenAIServer:
-    """The routes' logic, over one engine serving one model name."""
+class PromptReader:
+    """A request body's prompt token ids and SamplingParams, as the server admits them: what
+    needs only the tokenizer, the chat template and max_model_len, so that a router counts a
+    request's tokens exactly as the replica will (minillm.serve.router)."""
 
-    def __init__(
-        self,
-        async_engine: AsyncEngine,
-        served_model_name: str,
-        metrics: ServerMetrics,
-        chat_template: ChatTemplate | None,
-        rate_limiter: RateLimiter | None = None,
-        lora_modules: dict[str, LoRARequest] | None = None,
-    ) -> None:
-        self.rate_limiter = rate_limiter
-        # adapters clients name as `model` (vLLM's --lora-modules), beside the base model
-        self.lora_modules = dict(lora_modules or {})
-        self.async_engine = async_engine
-        self.engine = async_engine.engine
-        self.tokenizer = self.engine.tokenizer
-        self.served_model_name = served_model_name
-        self.metrics = metrics
+    def __init__(self, tokenizer, chat_template: ChatTemplate | None, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self.created = int(time.time())
-
-    # ------------------------------------------------------------------ checks
-
-    def check_model(self, model: str | None) -> LoRARequest | None:
-        """The adapter `model` names, None for the base model; 404 for another name."""
-        if model is None or model == self.served_model_name:
-            return None
-        if model in self.lora_modules:
-            return self.lora_modules[model]
-        served = ", ".join(repr(name) for name in [self.served_model_name, *self.lora_modules])
-        raise ApiError(
-            f"the model {model!r} does not exist; this server serves {served}",
-            status_code=404,
-            param="model",
-            code="model_not_found",
-        )
+        self.max_model_len = max_model_len
 
     def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
         """vLLM's rule: the prompt and max_tokens must fit in max_model_len together;
         max_tokens None takes what is left."""
-        limit = self.engine.max_model_len
+        limit = self.max_model_len
         if num_prompt_tokens >= limit:
             raise ApiError(
                 f"this model's maximum context length is {limit} tokens, but the prompt has "
@@ -140,30 +112,108 @@ class OpenAIServer:
             raise ApiError("the prompt is empty: expected at least one token", param="prompt")
         return ids
 
+    def completion_prompts(self, body: CompletionRequest) -> list:
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise ApiError("the prompt is empty: expected at least one token", param="prompt")
+        return list(prompt)
+
+    def completion(self, body: CompletionRequest) -> tuple[list, list, list]:
+        """(prompts, their token ids, their SamplingParams); ApiError for a bad request."""
+        prompts = self.completion_prompts(body)
+        ids_list = [self.prompt_ids(p) for p in prompts]
+        try:
+            params_list = [
+                body.sampling_params(
+                    self.max_tokens_for(len(ids), body.max_tokens, "prompt"), body.logprobs
+                )
+                for ids in ids_list
+            ]
+        except ValueError as err:
+            raise value_error(err, SAMPLING_FIELDS) from None
+        return prompts, ids_list, params_list
+
+    def chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """The rendered prompt's token ids and the SamplingParams; ApiError for a bad request."""
+        if self.chat_template is None:
+            raise ApiError(
+                "this model has no chat template (tokenizer_config.json has no "
+                '"chat_template"); use /v1/completions',
+                param="messages",
+                code="no_chat_template",
+            )
+        if not body.messages:
+            raise ApiError("messages must hold at least one message", param="messages")
+        messages = [m.as_template_input() for m in body.messages]
+        try:
+            text = self.chat_template.render(messages, body.add_generation_prompt)
+        except ChatTemplateError as err:
+            raise ApiError(str(err), param="messages") from None
+        # the template wrote the special tokens it wants (a BOS): add none of our own
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ApiError("the chat template rendered an empty prompt", param="messages")
+        k = body.num_logprobs()
+        max_tokens = self.max_tokens_for(len(ids), body.requested_max_tokens(), "messages")
+        try:
+            params = body.sampling_params(max_tokens, k)
+        except ValueError as err:
+            raise value_error(err, SAMPLING_FIELDS) from None
+        return ids, params
+
+
+class OpenAIServer:
+    """The routes' logic, over one engine serving one model name."""
+
+    def __init__(
+        self,
+        async_engine: AsyncEngine,
+        served_model_name: str,
+        metrics: ServerMetrics,
+        chat_template: ChatTemplate | None,
+        rate_limiter: RateLimiter | None = None,
+        lora_modules: dict[str, LoRARequest] | None = None,
+    ) -> None:
+        self.rate_limiter = rate_limiter
+        # adapters clients name as `model` (vLLM's --lora-modules), beside the base model
+        self.lora_modules = dict(lora_modules or {})
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.tokenizer = self.engine.tokenizer
+        self.served_model_name = served_model_name
+        self.metrics = metrics
+        self.chat_template = chat_template
+        self.prompts = PromptReader(self.tokenizer, chat_template, self.engine.max_model_len)
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ checks
+
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names, None for the base model; 404 for another name."""
+        if model is None or model == self.served_model_name:
+            return None
+        if model in self.lora_modules:
+            return self.lora_modules[model]
+        served = ", ".join(repr(name) for name in [self.served_model_name, *self.lora_modules])
+        raise ApiError(
+            f"the model {model!r} does not exist; this server serves {served}",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+        )
+
     def admit(self, request: Request, ids_list: list, params_list: list) -> Reservation | None:
         """Take the requests' most tokens (prompt + n * max_tokens each) from the caller's
         bucket, or answer 429 with Retry-After (no rate limit: None, always admitted)."""
         if self.rate_limiter is None:
             return None
-        auth = request.headers.get("authorization", "")
-        key = auth.removeprefix("Bearer ").strip()
-        cost = sum(
-            len(ids) + p.n * p.max_tokens for ids, p in zip(ids_list, params_list, strict=True)
-        )
+        key = rate_limit_key(request.headers.get("authorization", ""))
         try:
-            return self.rate_limiter.acquire(key, cost)
+            return self.rate_limiter.acquire(key, request_cost(ids_list, params_list))
         except RateLimited as err:
-            limit = self.rate_limiter
-            headers = {
-                "x-ratelimit-limit-tokens": f"{limit.tokens_per_minute:g}",
-                "x-ratelimit-remaining-tokens": str(int(limit.remaining(key))),
-            }
-            if err.retry_after_s is not None:
-                headers["Retry-After"] = str(err.retry_after_s)
-                headers["x-ratelimit-reset-tokens"] = f"{err.wait_s:.3f}s"
-            raise ApiError(
-                str(err), 429, code="rate_limit_exceeded", type="tokens", headers=headers
-            ) from None
+            raise rate_limited_error(err, self.rate_limiter, key) from None
 
     # ------------------------------------------------------------------ running requests
 
@@ -319,30 +369,12 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ /v1/completions
 
-    def completion_prompts(self, body: CompletionRequest) -> list:
-        prompt = body.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]
-        if not prompt:
-            raise ApiError("the prompt is empty: expected at least one token", param="prompt")
-        return list(prompt)
-
     async def completions(self, request: Request) -> Response:
         body = parse_request(await request.body(), CompletionRequest)
         lora_request = self.check_model(body.model)
         if body.echo and body.logprobs is not None:
             raise ApiError("echo together with logprobs is not supported", param="echo")
-        prompts = self.completion_prompts(body)
-        ids_list = [self.prompt_ids(p) for p in prompts]
-        try:
-            params_list = [
-                body.sampling_params(
-                    self.max_tokens_for(len(ids), body.max_tokens, "prompt"), body.logprobs
-                )
-                for ids in ids_list
-            ]
-        except ValueError as err:
-            raise value_error(err, SAMPLING_FIELDS) from None
+        prompts, ids_list, params_list = self.prompts.completion(body)
         echoes = [
             (p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else ""
             for p in prompts
@@ -424,30 +456,8 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body = parse_request(await request.body(), ChatCompletionRequest)
         lora_request = self.check_model(body.model)
-        if self.chat_template is None:
-            raise ApiError(
-                "this model has no chat template (tokenizer_config.json has no "
-                '"chat_template"); use /v1/completions',
-                param="messages",
-                code="no_chat_template",
-            )
-        if not body.messages:
-            raise ApiError("messages must hold at least one message", param="messages")
-        messages = [m.as_template_input() for m in body.messages]
-        try:
-            text = self.chat_template.render(messages, body.add_generation_prompt)
-        except ChatTemplateError as err:
-            raise ApiError(str(err), param="messages") from None
-        # the template wrote the special tokens it wants (a BOS): add none of our own
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if not ids:
-            raise ApiError("the chat template rendered an empty prompt", param="messages")
+        ids, params = self.prompts.chat(body)
         k = body.num_logprobs()
-        max_tokens = self.max_tokens_for(len(ids), body.requested_max_tokens(), "messages")
-        try:
-            params = body.sampling_params(max_tokens, k)
-        except ValueError as err:
-            raise value_error(err, SAMPLING_FIELDS) from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         shared: asyncio.Queue = asyncio.Queue()
         reservation = self.admit(request, [ids], [params])
@@ -569,6 +579,28 @@ def usage_of(finals: list[RequestOutput]) -> dict:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+def request_cost(ids_list: list[list[int]], params_list: list[SamplingParams]) -> int:
+    """The most tokens requests may use: each prompt plus n * max_tokens."""
+    return sum(len(ids) + p.n * p.max_tokens for ids, p in zip(ids_list, params_list, strict=True))
+
+
+def rate_limit_key(authorization: str) -> str:
+    """The bucket's key: the bearer token ("" without an Authorization header)."""
+    return authorization.removeprefix("Bearer ").strip()
+
+
+def rate_limited_error(err: RateLimited, limiter: RateLimiter, key: str) -> ApiError:
+    """The 429 of a refused request: OpenAI's body, Retry-After and x-ratelimit-* headers."""
+    headers = {
+        "x-ratelimit-limit-tokens": f"{limiter.tokens_per_minute:g}",
+        "x-ratelimit-remaining-tokens": str(int(limiter.remaining(key))),
+    }
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(err.retry_after_s)
+        headers["x-ratelimit-reset-tokens"] = f"{err.wait_s:.3f}s"
+    return ApiError(str(err), 429, code="rate_limit_exceeded", type="tokens", headers=headers)
 
 
 def settle(reservation: Reservation | None, outputs: list[RequestOutput] | None) -> None:

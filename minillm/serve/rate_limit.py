@@ -20,8 +20,14 @@ TPM when the request arrives, and tells the state in `x-ratelimit-limit-tokens`,
 sends on a 429. Gateways (Envoy, Kong, cloud API gateways) commonly limit requests, not
 tokens; an LLM server must count tokens, because one request may cost a thousand times
 another. Here the key is the bearer token of the Authorization header (no header: one
-shared anonymous bucket); the buckets live in the server's memory, so several replicas each
-keep their own.
+shared anonymous bucket).
+
+The buckets live in the memory of the process that keeps them. Kept in each of N replicas,
+they give a key N times its quota, so in a deployment with replicas the quota belongs in
+front of them, where every request passes: `minillm router --rate-limit-tokens-per-minute`
+(minillm.serve.router) or a gateway. The per-replica option (`minillm serve
+--rate-limit-tokens-per-minute`) is for one server alone, or as a replica's own guard
+against overload behind a router that already meters keys.
 
 Everything here is plain Python with an injectable clock, so that tests replay arrivals
 at exact times.

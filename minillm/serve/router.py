@@ -18,8 +18,8 @@ The policies (pure functions and classes below, so that tests check them alone):
 - `prefix_aware`: consistent hashing of the prompt's first `prefix_chars` characters on a
   hash ring with virtual nodes, so that requests sharing a prefix (a tenant's system prompt,
   a document) land on the replica whose prefix cache already holds its KV blocks. The key is
-  a *character* prefix, not a token prefix: the router loads no tokenizer (it forwards to
-  any OpenAI-compatible server) and equal text gives equal tokens, so equal character
+  a *character* prefix, not a token prefix: the router needs no tokenizer to route (it
+  forwards to any OpenAI-compatible server) and equal text gives equal tokens, so equal character
   prefixes of the prompt mean equal first KV blocks. 256 characters is about 64 tokens,
   four blocks of 16: short enough to lie inside a shared system prompt, long enough to tell
   tenants apart. With virtual nodes, adding a replica to N moves about 1/(N + 1) of the keys
@@ -35,9 +35,22 @@ A replica that refuses the connection (or closes it before answering) is marked 
 `down_for_s` seconds and the request goes to the next choice; when none is left the router
 answers 503 with OpenAI's error JSON naming the replicas it tried. Only such connection
 failures are retried (a completion changes nothing on the server, so a retry at worst
-repeats work); an answer from a replica, an error included, is passed on as it is. Each
-replica keeps its own rate-limit buckets (minillm.serve.rate_limit): behind a router of N
-replicas a key gets up to N times the limit of one.
+repeats work); an answer from a replica, an error included, is passed on as it is.
+
+Token quotas (`rate_limit_tokens_per_minute`, `--rate-limit-tokens-per-minute`) belong here,
+in front of the replicas: a bucket per key in each of N replicas lets a key spend N times
+its quota, one bucket per key in the router holds it for the whole deployment. The router
+keeps the buckets of minillm.serve.rate_limit and charges what a replica would: it loads the
+model's tokenizer and chat template only (`tokenizer`: the bundled model by default; nothing
+is downloaded) and counts the prompt as the server does (`PromptReader`), plus n *
+max_tokens, where a missing max_tokens is what max_model_len leaves (give the replicas'
+`max_model_len`). A key short of tokens gets the server's 429 (OpenAI's body, Retry-After,
+`x-ratelimit-*` headers) from the router, and no replica sees the request. When the answer
+ends, the unused part goes back: what the answer's `usage` says was not generated, or, for a
+stream without `stream_options.include_usage`, what the streamed chunks did not carry
+(`UsageMeter`); an answer other than 200, or no answer, gives back everything. A body the
+router cannot count (not JSON, no prompt) is forwarded uncharged, and the replica answers
+its 400.
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ import bisect
 import contextlib
 import hashlib
 import json
+import pathlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -56,6 +70,15 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
+
+from minillm.serve.api_server import (
+    PromptReader,
+    rate_limit_key,
+    rate_limited_error,
+    request_cost,
+)
+from minillm.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
+from minillm.serve.rate_limit import RateLimited, RateLimiter, Reservation
 
 POLICIES = ("round_robin", "least_outstanding", "prefix_aware")
 DEFAULT_PREFIX_CHARS = 256
@@ -172,6 +195,103 @@ def prefix_key(body: object, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> str:
     return prompt[:prefix_chars] if isinstance(prompt, str) else ""
 
 
+# ------------------------------------------------------------------------------ quotas
+
+
+def load_prompt_reader(model: str | None = None, max_model_len: int | None = None) -> PromptReader:
+    """A PromptReader for `model` (a local model directory or a bundled model's name; None:
+    the bundled default), reading only its tokenizer, chat template and config. max_model_len
+    is the replicas' (None: their default, the model's limit up to 4096)."""
+    from minillm.engine.args import EngineArgs
+    from minillm.model.loader import BUNDLED_MODELS_DIR, DEFAULT_MODEL, load_model
+    from minillm.serve.chat_template import ChatTemplate
+
+    model = DEFAULT_MODEL if model is None else str(model)
+    if not (pathlib.Path(model).expanduser().is_dir() or (BUNDLED_MODELS_DIR / model).is_dir()):
+        raise ValueError(
+            f"tokenizer must be a local model directory or a bundled model's name, got "
+            f"{model!r} (the router downloads nothing)"
+        )
+    loaded = load_model(model, weights=False)
+    limit = EngineArgs(model, max_model_len=max_model_len).resolve_max_model_len(loaded.config)
+    return PromptReader(loaded.tokenizer, ChatTemplate.from_model_dir(loaded.path), limit)
+
+
+def prompt_and_cost(reader: PromptReader, raw: bytes, path: str) -> tuple[int, int] | None:
+    """(prompt tokens, tokens to reserve) of a request body, counted as the replica counts
+    them; None when the replica will refuse the body (not JSON, a field missing or wrong)."""
+    try:
+        if path == "/v1/chat/completions":
+            ids, params = reader.chat(parse_request(raw, ChatCompletionRequest))
+            ids_list, params_list = [ids], [params]
+        else:
+            _, ids_list, params_list = reader.completion(parse_request(raw, CompletionRequest))
+    except ApiError:
+        return None
+    return sum(len(ids) for ids in ids_list), request_cost(ids_list, params_list)
+
+
+class UsageMeter:
+    """The completion tokens of a replica's answer, read as it passes through the router:
+    the `usage` of a JSON answer or of a stream's last chunk (`stream_options.include_usage`),
+    else counted from the streamed chunks. Each chunk the server sends for a choice follows
+    at least one new token (the chat role chunk aside), and its text re-tokenizes to about
+    the tokens that made it; a choice counts the larger of the two. That is an estimate: text
+    held back by a stop string is not seen, an echoed prompt is counted."""
+
+    def __init__(self, tokenizer, streaming: bool) -> None:
+        self.tokenizer = tokenizer
+        self.streaming = streaming
+        self.buffer = bytearray()
+        self.texts: dict[int, str] = {}  # choice index -> its text so far
+        self.chunks: dict[int, int] = {}  # choice index -> chunks that carried new tokens
+        self.usage: dict | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        self.buffer += chunk
+        while self.streaming and b"\n\n" in self.buffer:
+            event, _, rest = bytes(self.buffer).partition(b"\n\n")
+            self.buffer = bytearray(rest)
+            for line in event.split(b"\n"):
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    self.read_chunk(line[6:])
+
+    def read_chunk(self, data: bytes) -> None:
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return
+        if not isinstance(chunk, dict):
+            return
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            index, delta = choice.get("index", 0), choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            self.texts[index] = self.texts.get(index, "") + (text or "")
+            if not (isinstance(delta, dict) and "role" in delta):
+                self.chunks[index] = self.chunks.get(index, 0) + 1
+
+    def completion_tokens(self) -> int | None:
+        """The tokens generated (None: a JSON answer without usage, unknown)."""
+        if not self.streaming:
+            try:
+                self.usage = json.loads(self.buffer).get("usage")
+            except (ValueError, AttributeError):
+                return None
+        if isinstance(self.usage, dict) and isinstance(self.usage.get("completion_tokens"), int):
+            return self.usage["completion_tokens"]
+        if not self.streaming:
+            return None
+        encode = self.tokenizer.encode
+        return sum(
+            max(self.chunks.get(i, 0), len(encode(text, add_special_tokens=False)))
+            for i, text in self.texts.items()
+        )
+
+
 # ------------------------------------------------------------------------------ the proxy
 
 
@@ -204,6 +324,11 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         balance_abs_threshold: int = DEFAULT_BALANCE_ABS_THRESHOLD,
         balance_rel_threshold: float = DEFAULT_BALANCE_REL_THRESHOLD,
+        rate_limit_tokens_per_minute: float | None = None,
+        rate_limit_burst_tokens: float | None = None,
+        rate_limiter: RateLimiter | None = None,
+        tokenizer: str | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -233,6 +358,18 @@ class Router:
         self.failures_total = dict.fromkeys(self.replicas, 0)
         self.down_until = dict.fromkeys(self.replicas, 0.0)
         self._client = None
+        # token quotas for the whole deployment (see the module docstring)
+        if rate_limiter is None and rate_limit_tokens_per_minute is not None:
+            rate_limiter = RateLimiter(rate_limit_tokens_per_minute, rate_limit_burst_tokens)
+        elif rate_limit_burst_tokens is not None and rate_limit_tokens_per_minute is None:
+            raise ValueError("rate_limit_burst_tokens needs rate_limit_tokens_per_minute as well")
+        if rate_limiter is None and (tokenizer is not None or max_model_len is not None):
+            raise ValueError("tokenizer and max_model_len count tokens for a rate limit: set one")
+        self.rate_limiter = rate_limiter
+        self.prompts = (
+            None if rate_limiter is None else load_prompt_reader(tokenizer, max_model_len)
+        )
+        self.rate_limited_total = 0
 
     def is_up(self, replica: str) -> bool:
         return self.clock() >= self.down_until[replica]
@@ -277,6 +414,27 @@ class Router:
         headers = {
             k: v for k, v in request.headers.items() if k in ("content-type", "authorization")
         }
+        reservation, prompt_tokens = None, 0
+        if self.rate_limiter is not None:
+            counted = prompt_and_cost(self.prompts, raw, path)
+            if counted is not None:  # else the replica answers the 400, and nothing is taken
+                prompt_tokens, cost = counted
+                key = rate_limit_key(request.headers.get("authorization", ""))
+                try:
+                    reservation = self.rate_limiter.acquire(key, cost)
+                except RateLimited as err:
+                    self.rate_limited_total += 1
+                    refused = rate_limited_error(err, self.rate_limiter, key)
+                    return JSONResponse(refused.body(), 429, headers=refused.headers)
+        try:
+            return await self._send(raw, body, headers, path, reservation, prompt_tokens)
+        except BaseException:
+            if reservation is not None:
+                reservation.settle(0)
+            raise
+
+    async def _send(self, raw, body, headers, path, reservation, prompt_tokens) -> Response:
+        """Send to the first replica that takes the connection, as the policy orders them."""
         tried: list[str] = []
         while True:
             replica = self.choose(body, set(tried))
@@ -293,6 +451,8 @@ class Router:
                         "code": "no_replica_available",
                     }
                 }
+                if reservation is not None:
+                    reservation.settle(0)
                 return JSONResponse(err, status_code=503, headers={"Retry-After": "1"})
             tried.append(replica)
             self.outstanding[replica] += 1
@@ -309,15 +469,26 @@ class Router:
                 self.outstanding[replica] -= 1
                 raise
             self.requests_total[replica] += 1
-            return PassThrough(upstream, self._done(replica, upstream))
+            meter = None
+            if reservation is not None:
+                streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
+                meter = UsageMeter(self.prompts.tokenizer, streaming)
+            done = self._done(replica, upstream, reservation, meter, prompt_tokens)
+            return PassThrough(upstream, done, None if meter is None else meter.feed)
 
-    def _done(self, replica: str, upstream) -> Callable:
+    def _done(
+        self, replica: str, upstream, reservation=None, meter=None, prompt_tokens: int = 0
+    ) -> Callable:
+        """What runs once the answer has ended (finished, the client gone, the replica
+        gone): free the replica's seat, settle the quota's reservation."""
         finished = False
 
         async def done() -> None:
             nonlocal finished
             if not finished:
                 finished = True
+                if reservation is not None:  # first: a client's next request sees the refund
+                    settle_reservation(reservation, upstream.status_code, meter, prompt_tokens)
                 self.outstanding[replica] -= 1
                 await upstream.aclose()
 
@@ -371,12 +542,19 @@ class Router:
         ):
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             lines += [f'{name}{{replica="{r}"}} {v}' for r, v in values.items()]
-        name = "minillm_router_balance_spills_total"
-        lines += [
-            f"# HELP {name} prefix_aware requests sent to the least busy replica for balance.",
-            f"# TYPE {name} counter",
-            f"{name} {self.spilled_total}",
-        ]
+        for name, help_text, value in (
+            (
+                "minillm_router_balance_spills_total",
+                "prefix_aware requests sent to the least busy replica for balance.",
+                self.spilled_total,
+            ),
+            (
+                "minillm_router_rate_limited_total",
+                "Requests the router answered 429 for a key's token quota (never forwarded).",
+                self.rate_limited_total,
+            ),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
         return "\n".join(lines) + "\n"
 
     async def aclose(self) -> None:
@@ -385,17 +563,29 @@ class Router:
             self._client = None
 
 
+def settle_reservation(
+    reservation: Reservation, status_code: int, meter: UsageMeter, prompt_tokens: int
+) -> None:
+    """Give back what a proxied request did not use: all of it when the replica refused it
+    or failed (no tokens generated), else all but the prompt and the completion tokens."""
+    if status_code != 200:
+        reservation.settle(0)
+        return
+    completion = meter.completion_tokens()
+    reservation.settle(None if completion is None else prompt_tokens + completion)
+
+
 class PassThrough(StreamingResponse):
     """A replica's answer streamed to the client as it arrives; `done` runs however the
     stream ends (finished, the client gone, a failed send)."""
 
-    def __init__(self, upstream: httpx.Response, done) -> None:
+    def __init__(self, upstream: httpx.Response, done, on_chunk=None) -> None:
         headers = {
             k: v
             for k, v in upstream.headers.items()
             if k in PASSED_HEADERS or k.startswith(PASSED_PREFIXES)
         }
-        super().__init__(upstream.aiter_raw(), upstream.status_code, headers)
+        super().__init__(relay(upstream, on_chunk), upstream.status_code, headers)
         self.done = done
 
     async def __call__(self, scope, receive, send) -> None:
@@ -403,6 +593,14 @@ class PassThrough(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.done()
+
+
+async def relay(upstream: httpx.Response, on_chunk=None):
+    """The answer's bytes as they arrive, each shown to `on_chunk` first (the usage meter)."""
+    async for chunk in upstream.aiter_raw():
+        if on_chunk is not None:
+            on_chunk(chunk)
+        yield chunk
 
 
 def build_router_app(router: Router):
