@@ -8,7 +8,9 @@ operator, less the operators it called), which is what the table of a profile ra
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch.profiler import ProfilerActivity, profile
@@ -23,10 +25,25 @@ class OpTime:
     self_cpu_us: float
 
 
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2: the profiler's C++ back end (Kineto) logs its start and
+    stop there, below Python's sys.stderr, so a notebook cell would show the lines."""
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(devnull)
+        os.close(saved)
+
+
 def profile_step(step: Callable[[], object]) -> tuple[list[OpTime], float]:
     """Run `step()` once under torch.profiler (CPU activity). Returns (every operator with
     a self time, largest first; the sum of their self times in µs, the step's CPU time)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     ops = [
         OpTime(e.key, e.count, e.self_cpu_time_total)

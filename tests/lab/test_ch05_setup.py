@@ -7,9 +7,11 @@ import json
 import pathlib
 import re
 
+import torch
+
 from kernels.rmsnorm import rms_norm_bytes
 from minillm.lab.catalog import get_model_config
-from minillm.lab.ch05_setup import exercise_points, rmsnorm_fusion_trace
+from minillm.lab.ch05_setup import exercise_points, paged_prefix, rmsnorm_fusion_trace
 from minillm.lab.op_trace import total_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -34,3 +36,12 @@ def test_rmsnorm_trace_moves_more_than_the_fused_round_trip():
     ops = rmsnorm_fusion_trace(config, tokens=16)
     assert len(ops) > 3
     assert total_bytes(ops) > 2 * rms_norm_bytes(16, config.hidden_size, 2, residual=True)
+
+
+def test_paged_prefix_gives_every_sequence_its_own_blocks():
+    cache, table = paged_prefix([0, 45, 16], 2, 8, block_size=16)
+    assert cache.shape == (2, 1 + 3 + 1, 16, 2, 8)
+    assert table.dtype == torch.int32 and table.shape == (3, 3)
+    used = [table[0, :1], table[1, :3], table[2, :1]]
+    blocks = torch.cat(used).tolist()
+    assert sorted(blocks) == list(range(5))  # each block belongs to exactly one sequence
