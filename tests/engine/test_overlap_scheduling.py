@@ -59,7 +59,7 @@ ENGINE_OPTIONS = [
     {},
     {"max_num_batched_tokens": 8, "enable_chunked_prefill": True},
     {"enable_prefix_caching": True, "block_size": 4},
-    {"block_size": 4, "num_gpu_blocks": 16, "max_model_len": 48},  # too small for all: preemption
+    {"block_size": 4, "num_gpu_blocks": 12, "max_model_len": 40},  # too small for all: preemption
 ]
 STOP_TOKENS = list(range(100, 140))  # the random model writes one of these now and then
 
@@ -81,6 +81,32 @@ requests = st.lists(
 @settings(max_examples=20)
 @given(workload=requests, options=st.sampled_from(range(len(ENGINE_OPTIONS))))
 def test_outputs_equal_the_engine_without_overlap(model_dir, workload, options):
+    check_equal_outputs(model_dir, workload, ENGINE_OPTIONS[options])
+
+
+# long enough that a few of them overflow the small pool: preemption, and plans that fall back
+long_requests = st.lists(
+    st.tuples(
+        st.lists(st.integers(2, VOCAB_SIZE - 1), min_size=12, max_size=24),
+        st.integers(0, 3),
+        st.integers(6, 14),
+        st.sampled_from(["greedy", "seeded"]),
+        st.booleans(),
+        st.sampled_from([[], ["e"]]),
+        st.sampled_from([{}, {"n": 2}]),
+    ),
+    min_size=3,
+    max_size=5,
+)
+
+
+@settings(max_examples=8)
+@given(workload=long_requests)
+def test_outputs_equal_under_preemption(model_dir, workload):
+    check_equal_outputs(model_dir, workload, ENGINE_OPTIONS[-1])
+
+
+def check_equal_outputs(model_dir, workload: list[tuple], kwargs: dict) -> None:
     arrivals: dict[int, list[tuple]] = {}
     for i, (prompt, step, max_tokens, kind, stop_tokens, stop, extra) in enumerate(workload):
         params = SamplingParams(
@@ -92,7 +118,6 @@ def test_outputs_equal_the_engine_without_overlap(model_dir, workload, options):
             **extra,  # n > 1 and logprobs overlap; a penalty makes its steps fall back
         )
         arrivals.setdefault(step, []).append((str(i), prompt, params))
-    kwargs = ENGINE_OPTIONS[options]
     overlapped_engine = make_engine(model_dir, True, **kwargs)
     assert run(overlapped_engine, arrivals) == run(
         make_engine(model_dir, False, **kwargs), arrivals
