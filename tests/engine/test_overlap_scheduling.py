@@ -142,21 +142,21 @@ def test_a_pool_that_forces_preemption_gives_the_same_outputs(model_dir):
 
 class RecordingRunner:
     """Wraps the model runner: records each plan's input tokens as the forward reads them,
-    what it sampled, and the free blocks when it started."""
+    what it sampled, and the free blocks when it ended."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.runner = engine.runner
         self.inputs: dict[int, dict[str, list[int]]] = {}  # step: {request id: input tokens}
         self.sampled: dict[int, dict[str, int]] = {}  # step: {request id: token}
-        self.free_block_ids_at_start: dict[int, set[int]] = {}
+        self.free_block_ids_at_end: dict[int, set[int]] = {}
         self.pool = engine.kv_cache_manager.block_pool
         engine.runner = self
 
     def execute_model(self, plan):
-        self.free_block_ids_at_start[plan.step] = set(self.pool.free_block_queue)
         self.inputs[plan.step] = {s.request.request_id: list(s.token_ids) for s in plan.scheduled}
         sampled = self.runner.execute_model(plan)
         self.sampled[plan.step] = {k: v.token_id for k, v in sampled.items()}
+        self.free_block_ids_at_end[plan.step] = set(self.pool.free_block_queue)
         return sampled
 
 
@@ -222,7 +222,7 @@ def test_placeholders_are_resolved_from_the_previous_steps_tokens(model_dir):
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)
     run(engine, {0: [("a", [3, 4, 5], params)], 2: [("b", list(range(40, 52)), params)]})
     ahead = [(step, tokens) for step, is_ahead, tokens, _ in plans if is_ahead]
-    # every plan but the first is made while the previous forward runs
+    # every plan but the first is made before the previous step's tokens are taken in
     assert [step for step, _ in ahead] == [step for step, *_ in plans[1:]]
     for step, tokens in ahead:
         for request_id, planned in tokens.items():
@@ -235,22 +235,22 @@ def test_placeholders_are_resolved_from_the_previous_steps_tokens(model_dir):
 
 
 def test_a_stop_in_step_n_is_in_step_n_plus_1_and_its_blocks_wait_for_it(model_dir):
-    """a stops on a stop token one step late; c ends by max_tokens, known in advance."""
+    """a stops on EOS, found one step late; c ends by max_tokens, known in advance."""
     long = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     prompts = {"a": [3, 4, 5, 6, 7], "b": list(range(60, 70)), "c": [9, 10]}
     sync_engine = make_engine(model_dir, False)
     free_run = run(sync_engine, {0: [("a", prompts["a"], long)]})
-    stop_token = free_run["a"][0][0][4]  # a's fifth token: it stops in its fifth step
-    stop_params = SamplingParams(
-        temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop_token]
-    )
+    eos = free_run["a"][0][0][4]  # a's fifth token, made its EOS: it stops in its fifth step
+    stop_params = SamplingParams(temperature=0.0, max_tokens=10)
     short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     arrivals = {0: [("a", prompts["a"], stop_params), ("b", prompts["b"], long)]}
     arrivals[0].append(("c", prompts["c"], short))
 
     sync_engine = make_engine(model_dir, False)
+    sync_engine.eos_token_ids = frozenset({eos})  # read when a request is added
     sync = run(sync_engine, arrivals)
     engine = make_engine(model_dir, True, block_size=4)
+    engine.eos_token_ids = frozenset({eos})
     recorder = RecordingRunner(engine)
     blocks_of_a: list[int] = []
     overlapped: dict[str, tuple] = {}
@@ -272,19 +272,19 @@ def test_a_stop_in_step_n_is_in_step_n_plus_1_and_its_blocks_wait_for_it(model_d
 
     assert overlapped == sync
     assert overlapped["a"][0][0] == free_run["a"][0][0][:5]
-    assert overlapped["a"][0][2:] == ("stop", stop_token)
-    # a sampled its stop token in step 4 and was planned into step 5 anyway: one dropped row
+    assert overlapped["a"][0][2:] == ("stop", None)
+    # a sampled EOS in step 4 and was planned into step 5 anyway: one dropped row
     assert rows(engine, "a") == rows(sync_engine, "a") + 1 == 6
     assert "a" in recorder.inputs[5] and "a" in recorder.sampled[5]
     # c's third token was its last by max_tokens: never planned after its step 2
     assert rows(engine, "c") == rows(sync_engine, "c") == 3
     assert "c" not in recorder.inputs[3]
-    # a finished in the call that processed step 4; its blocks stayed out of the pool while
-    # step 5's forward (which reads them) ran, and were back once step 5 was done
+    # a finished in the call that processed step 4, while step 5's forward (which reads its
+    # blocks) ran; its blocks stayed out of the pool until that call took step 5's tokens
     finished_at = next(i for i, done in enumerate(outputs_by_step) if "a" in done)
     assert finished_at == 4
+    assert not set(blocks_of_a) & recorder.free_block_ids_at_end[5]
     assert not set(blocks_of_a) & free_after_step[finished_at]
-    assert not set(blocks_of_a) & recorder.free_block_ids_at_start[6]
     assert set(blocks_of_a) <= free_after_step[finished_at + 1]
 
 
