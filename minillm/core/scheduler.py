@@ -42,6 +42,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from minillm.core.block_pool import KVCacheBlock
 from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.metrics import StepTrace
 from minillm.core.request import Request, RequestStatus
@@ -227,7 +228,7 @@ class Scheduler:
         # async scheduling: the sequences whose blocks the forward in flight reads, and the
         # blocks of those among them that finished since, given back by forward_done
         self.in_flight_ids: set[str] = set()
-        self.held_blocks: list[list] = []
+        self.held_blocks: list[list[KVCacheBlock]] = []
         self._planning_ahead = False
 
     def add_request(self, request: Request) -> None:
