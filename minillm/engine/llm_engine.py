@@ -401,8 +401,9 @@ class LLMEngine:
 
     def _step_async(self) -> list[RequestOutput]:
         """One iteration with async_scheduling: overlap scheduling, as in SGLang's overlap
-        scheduler and vLLM V1's async scheduling (names checked in vLLM 0.11: its AsyncScheduler's
-        `num_output_placeholders`, its GPU model runner's `prev_sampled_token_ids`).
+        scheduler and vLLM V1's async scheduling (names as in vLLM V1's source, main branch of
+        late 2026: `AsyncScheduler` counts `num_output_placeholders`, the GPU model runner
+        reads `prev_sampled_token_ids`).
 
         Step n's forward runs in the forward thread. While it runs, this thread plans step
         n + 1 (`Scheduler.schedule_ahead`) as if step n were done: every sequence step n
