@@ -8,7 +8,8 @@ A small FastAPI proxy. `POST /v1/completions` and `POST /v1/chat/completions` go
 replica, chosen by the policy, and its answer comes back byte for byte (server-sent events
 pass through as they arrive, status codes and Retry-After too). `GET /v1/models` asks any
 live replica; `GET /health` probes every replica; `GET /metrics` counts the requests sent to
-each replica, the ones in flight, and the connection failures.
+each replica, the ones in flight, the connection failures, and the requests refused for a
+token quota.
 
 The policies (pure functions and classes below, so that tests check them alone):
 
@@ -19,8 +20,8 @@ The policies (pure functions and classes below, so that tests check them alone):
   hash ring with virtual nodes, so that requests sharing a prefix (a tenant's system prompt,
   a document) land on the replica whose prefix cache already holds its KV blocks. The key is
   a *character* prefix, not a token prefix: the router needs no tokenizer to route (it
-  forwards to any OpenAI-compatible server) and equal text gives equal tokens, so equal character
-  prefixes of the prompt mean equal first KV blocks. 256 characters is about 64 tokens,
+  forwards to any OpenAI-compatible server) and equal text gives equal tokens, so equal
+  character prefixes of the prompt mean equal first KV blocks. 256 characters is about 64 tokens,
   four blocks of 16: short enough to lie inside a shared system prompt, long enough to tell
   tenants apart. With virtual nodes, adding a replica to N moves about 1/(N + 1) of the keys
   and removing one moves only its own; a dead replica's keys go to the next one clockwise.
@@ -48,9 +49,10 @@ max_tokens, where a missing max_tokens is what max_model_len leaves (give the re
 `x-ratelimit-*` headers) from the router, and no replica sees the request. When the answer
 ends, the unused part goes back: what the answer's `usage` says was not generated, or, for a
 stream without `stream_options.include_usage`, what the streamed chunks did not carry
-(`UsageMeter`); an answer other than 200, or no answer, gives back everything. A body the
-router cannot count (not JSON, no prompt) is forwarded uncharged, and the replica answers
-its 400.
+(`UsageMeter`, also for a stream cut short). An answer other than 200, or none (no replica
+left), gives back everything; a JSON answer cut short keeps it all, as the server keeps the
+tokens of a request whose client left. A body the router cannot count (not JSON, no
+prompt) is forwarded uncharged, and the replica answers its 400.
 """
 
 from __future__ import annotations

@@ -244,6 +244,24 @@ def test_a_failed_upstream_gives_everything_back(llm):
     assert quota.remaining("") == 1000
 
 
+def test_a_stream_the_client_leaves_keeps_only_what_was_streamed(llm, reference_llm):
+    num_prompt = num_tokens(llm, PROMPT)
+    max_tokens = MAX_MODEL_LEN - num_prompt
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    quota = limiter(1000)
+    with deployment(llm, reference_llm, quota) as (router, _):
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
+            read = 0
+            for line in r.iter_lines():
+                read += line.startswith("data: ")
+                if read == 3:
+                    break  # the client leaves
+        settled(router)
+        charged = 1000 - quota.remaining("")
+    # at least the three chunks read (one token each at least), far from the whole reservation
+    assert num_prompt + 3 <= charged < num_prompt + max_tokens
+
+
 SSE = (
     b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
     b'data: {"choices": [{"index": 0, "delta": {"content": "Hello"}}]}\n\n'
