@@ -18,8 +18,9 @@ GROUP_SIZE = 128  # int4 weights: one scale and zero point per group of 128 inpu
 
 def format_facts() -> dict[str, float]:
     """The format properties the second page quotes, from the bit layouts
-    (`numerics.format_row`): the largest values of float16, FP8 E4M3 and E5M2, half of E4M3's smallest subnormal (below it a value rounds to zero),
-    and the bits per element of MXFP4 and NVFP4, keyed by the first page's glue names."""
+    (`numerics.format_row`): the largest values of float16, FP8 E4M3 and E5M2, half of
+    E4M3's smallest subnormal (below it a value rounds to zero), and the bits per element of
+    MXFP4 and NVFP4, keyed by the first page's glue names."""
     rows = {
         fmt.name: numerics.format_row(fmt)
         for fmt in (numerics.FLOAT16, numerics.FP8_E4M3, numerics.FP8_E5M2)
