@@ -12,13 +12,12 @@ request and the count of the exercise notebook's points:
 
 from __future__ import annotations
 
-import pathlib
 from dataclasses import dataclass
 
 import torch
 
 from minillm import LLM, SamplingParams
-from minillm.course.notebook_io import graded_points, read_notebook
+from minillm.lab.exercise_count import exercise_points  # noqa: F401  (the pages' name)
 from minillm.lab.figures import RawHTML, code
 from minillm.model.config import ModelConfig
 from minillm.model.tokenizer import Tokenizer
@@ -62,19 +61,6 @@ def load_bundled_model() -> BundledModel:
 def demo_params() -> SamplingParams:
     """The demo request's options: greedy, at most 64 new tokens, stop at a docstring's end."""
     return SamplingParams(temperature=0.0, max_tokens=DEMO_MAX_TOKENS, stop=[DEMO_STOP])
-
-
-def exercise_points(path: str | pathlib.Path) -> list[int] | None:
-    """The points of each graded cell of the exercise notebook at `path`, in order.
-
-    None when the notebook is not there (a page opened outside a clone of the repository).
-    """
-    path = pathlib.Path(path)
-    if not path.exists():
-        return None
-    cells = read_notebook(path).cells
-    sources = [cell.source for cell in cells if cell.cell_type == "code"]
-    return [points for source in sources if (points := graded_points(source)) is not None]
 
 
 def shown(text: str) -> RawHTML:

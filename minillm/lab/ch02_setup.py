@@ -11,12 +11,12 @@ the last page describes the exercises, so both count them with `exercise_points`
 
 from __future__ import annotations
 
-import pathlib
 from typing import NamedTuple
 
 import torch
 
 from minillm.lab import roofline
+from minillm.lab.exercise_count import exercise_points  # noqa: F401  (the pages' name)
 from minillm.lab.figures import use_house_style
 from minillm.lab.hardware import DeviceSpec, get_device
 
@@ -46,18 +46,3 @@ def reference_roof(device: str = REFERENCE_DEVICE, fmt: str = REFERENCE_FORMAT) 
     spec = get_device(device)
     peak, bandwidth = spec.peak_flops(fmt), spec.memory_bandwidth_bytes_per_s
     return Roof(spec, peak, bandwidth, roofline.ridge_point(peak, bandwidth))
-
-
-def exercise_points(path: pathlib.Path) -> list[int] | None:
-    """The points of each graded cell of the exercise notebook at `path`, in order.
-
-    None when the notebook is not there (the book's pages read `../exercises/`, present in a
-    clone of the repository).
-    """
-    if not path.exists():
-        return None
-    # imported here: validating notebooks pulls in jsonschema, seconds a page need not pay
-    from minillm.course.notebook_io import graded_points, read_notebook
-
-    cells = [c for c in read_notebook(path).cells if c.cell_type == "code"]
-    return [p for p in (graded_points(c.source) for c in cells) if p is not None]

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import pathlib
 
-from minillm.course.notebook_io import graded_points, read_notebook
 from minillm.engine.args import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.lab.bench import Workload, make_workload
+from minillm.lab.exercise_count import exercise_points as count_exercise_points
 from minillm.lab.schedule_sim import simulate_schedule
 from minillm.sampling_params import SamplingParams
 
@@ -67,12 +67,6 @@ def batching_step_counts(workload: Workload, num_slots: int) -> dict[str, int]:
 
 
 def exercise_points(path: str | pathlib.Path = EXERCISE_NOTEBOOK) -> list[int] | None:
-    """The points of each graded cell of the exercise notebook at `path`, in order.
-
-    None when the notebook is not there (a page opened outside a clone of the repository).
-    """
-    path = pathlib.Path(path)
-    if not path.exists():
-        return None
-    sources = [cell.source for cell in read_notebook(path).cells if cell.cell_type == "code"]
-    return [points for source in sources if (points := graded_points(source)) is not None]
+    """The points of each graded cell of the exercise notebook at `path` (this chapter's by
+    default), in order; None when it is not there."""
+    return count_exercise_points(path)

@@ -7,7 +7,7 @@ import pathlib
 
 import torch
 
-from minillm.course.grading import graded_points, read_notebook
+from minillm.lab.exercise_count import exercise_points as count_exercise_points
 from minillm.lab.op_trace import OpRecord, trace_ops
 from minillm.model.config import ModelConfig
 from minillm.model.llama import RMSNorm
@@ -15,15 +15,8 @@ from minillm.model.llama import RMSNorm
 
 def exercise_points(path: str | pathlib.Path) -> tuple[int, int] | None:
     """(graded cells, points) of an exercise notebook; None where the file is absent (Colab)."""
-    path = pathlib.Path(path)
-    if not path.exists():
-        return None
-    points = [
-        graded_points(c.source)
-        for c in read_notebook(path).cells
-        if c.cell_type == "code" and graded_points(c.source) is not None
-    ]
-    return len(points), sum(points)
+    points = count_exercise_points(path)
+    return None if points is None else (len(points), sum(points))
 
 
 def rmsnorm_fusion_trace(config: ModelConfig, tokens: int = 4096) -> list[OpRecord]:

@@ -11,11 +11,10 @@ count them with `exercise_points`.
 
 from __future__ import annotations
 
-import pathlib
-
 import torch
 
 from minillm import LLM
+from minillm.lab.exercise_count import exercise_points  # noqa: F401  (the pages' name)
 from minillm.lab.figures import use_house_style
 from minillm.model.tokenizer import Tokenizer
 
@@ -30,18 +29,3 @@ def start_page(seed: int = 0) -> tuple[LLM, Tokenizer]:
     torch.set_num_threads(1)
     llm = LLM(TARGET)
     return llm, llm.get_tokenizer()
-
-
-def exercise_points(path: pathlib.Path) -> list[int] | None:
-    """The points of each graded cell of the exercise notebook at `path`, in order.
-
-    None when the notebook is not there (the book's pages read `../exercises/`, present in a
-    clone of the repository).
-    """
-    if not path.exists():
-        return None
-    # imported here: validating notebooks pulls in jsonschema, seconds a page need not pay
-    from minillm.course.notebook_io import graded_points, read_notebook
-
-    cells = [c for c in read_notebook(path).cells if c.cell_type == "code"]
-    return [p for p in (graded_points(c.source) for c in cells) if p is not None]

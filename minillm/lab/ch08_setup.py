@@ -11,14 +11,13 @@ front matter and the second describes the exercises, so both count them with
 
 from __future__ import annotations
 
-import pathlib
 from dataclasses import dataclass
 
 import torch
 
-from minillm.course.notebook_io import graded_points, read_notebook
 from minillm.lab import interconnect
 from minillm.lab.catalog import get_model_config
+from minillm.lab.exercise_count import exercise_points  # noqa: F401  (the pages' name)
 from minillm.lab.figures import use_house_style
 from minillm.lab.hardware import DeviceSpec, get_device
 from minillm.model.config import ModelConfig
@@ -49,15 +48,3 @@ def start_page(seed: int = 0) -> Chapter8:
         pcie5=interconnect.get_link("PCIe Gen5 x16"),
         pcie4=interconnect.get_link("PCIe Gen4 x16"),
     )
-
-
-def exercise_points(path: pathlib.Path) -> list[int] | None:
-    """The points of each graded cell of the exercise notebook at `path`, in order.
-
-    None when the notebook is not there (the book's pages read `../exercises/`, present in a
-    clone of the repository).
-    """
-    if not path.exists():
-        return None
-    cells = [c for c in read_notebook(path).cells if c.cell_type == "code"]
-    return [p for p in (graded_points(c.source) for c in cells) if p is not None]

@@ -11,19 +11,6 @@ from __future__ import annotations
 
 import pathlib
 
-from minillm.course.notebook_io import graded_points, read_notebook
+from minillm.lab.exercise_count import exercise_points  # noqa: F401  (the pages' name)
 
 RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-
-
-def exercise_points(path: str | pathlib.Path) -> list[int] | None:
-    """The points of each graded cell of the exercise notebook at `path`, in order.
-
-    None when the notebook is not there (a page opened outside a clone of the repository).
-    """
-    path = pathlib.Path(path)
-    if not path.exists():
-        return None
-    cells = read_notebook(path).cells
-    sources = [cell.source for cell in cells if cell.cell_type == "code"]
-    return [points for source in sources if (points := graded_points(source)) is not None]
