@@ -449,13 +449,13 @@ def find(measurements: list[Measurement], kernel: str, case: str, impl: str) -> 
     return None
 
 
-# the issue's targets on an H100/H200 (chapter 5 quotes them from here)
+# the kernels' performance goals on an H100/H200 (chapter 5 quotes them from here)
 DECODE_GOAL_PCT_OF_HBM = 70  # decode attention at batch 64 x 4k context
 PREFILL_GOAL_TIME_OVER_SDPA = 1.5  # prefill attention vs SDPA's FlashAttention backend
 
 
 def evaluate_goals(measurements: list[Measurement]) -> dict:
-    """The issue's three targets, from the measurements that bear on them."""
+    """The three performance goals, from the measurements that bear on them."""
     decode = [
         m
         for m in measurements
