@@ -11,6 +11,11 @@ they move with the machine's load; the words must not.
 Keys are compared per chapter (the first two characters of a page's name), so a glue key
 that moved to another page of its chapter still compares.
 
+A key whose name ends in `_outcome` reports what one run did rather than claim something
+about it: the verdict of a deliberately noisy A/B test, whether a fresh engine's first call
+was the slower. Its page words the prose for every value it can take, so such keys are
+listed apart and do not count as drift.
+
     python -m minillm.course.glue_drift BUILD_DIR BUILD_DIR [BUILD_DIR ...]
 
 BUILD_DIR is a book's build output (the folder holding `jupyter_execute`, usually
@@ -53,25 +58,36 @@ def text_glues(build: str | pathlib.Path) -> dict[tuple[str, str], str]:
     return found
 
 
-_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+OUTCOME_SUFFIX = "_outcome"
+_NUMBER = re.compile(r"[-+]?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_NUMBER_LIST = re.compile(r"#(?:(?:, | and | to |–)#)+")
 
 
 def words(text: str) -> str:
-    """The text with every number replaced by #: what must not change between builds."""
-    return _NUMBER.sub("#", text)
+    """The text with every number, and every list or range of numbers, replaced by #: what
+    must not change between builds."""
+    return _NUMBER_LIST.sub("#", _NUMBER.sub("#", text))
 
 
-def drift(builds: Sequence[str | pathlib.Path]) -> dict[tuple[str, str], list[str | None]]:
-    """{(chapter, key): the text in each build} for the keys whose text differs between
-    builds (None where a build has no such key: the page changed between them)."""
+def is_outcome(key: str) -> bool:
+    return key.endswith(OUTCOME_SUFFIX)
+
+
+def drift(
+    builds: Sequence[str | pathlib.Path], outcomes: bool = False
+) -> dict[tuple[str, str], list[str]]:
+    """{(chapter, key): the text in each build} for the keys in every build whose words
+    differ between builds: the claims, or with outcomes=True the `_outcome` keys."""
     if len(builds) < 2:
         raise ValueError(f"compare at least two builds, got {len(builds)}")
     values = [text_glues(b) for b in builds]
     keys = set().union(*values)
     return {
-        key: [v.get(key) for v in values]
+        key: [v[key] for v in values]
         for key in sorted(keys)
-        if all(key in v for v in values) and len({words(v[key]) for v in values}) > 1
+        if is_outcome(key[1]) == outcomes
+        and all(key in v for v in values)
+        and len({words(v[key]) for v in values}) > 1
     }
 
 
@@ -80,12 +96,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("builds", nargs="+", type=pathlib.Path)
     args = parser.parse_args(argv)
     changed = drift(args.builds)
+    varied = drift(args.builds, outcomes=True)
     counts = [len(text_glues(b)) for b in args.builds]
-    print(f"text glued per build: {counts}; keys whose words differ: {len(changed)}")
-    for (chapter, key), texts in changed.items():
-        print(f"chapter {chapter}, {key}:")
-        for build, text in zip(args.builds, texts, strict=True):
-            print(f"    {build}: {text!r}")
+    print(
+        f"text glued per build: {counts}; claims whose words differ: {len(changed)}; "
+        f"outcomes that differ (worded for every value): {len(varied)}"
+    )
+    for title, found in (("claim", changed), ("outcome", varied)):
+        for (chapter, key), texts in found.items():
+            print(f"{title}, chapter {chapter}, {key}:")
+            for build, text in zip(args.builds, texts, strict=True):
+                print(f"    {build}: {text!r}")
     return 1 if changed else 0
 
 

@@ -73,3 +73,29 @@ def test_needs_two_builds_and_a_build_folder(tmp_path):
         glue_drift.drift([tmp_path])
     with pytest.raises(FileNotFoundError, match="no jupyter_execute folder"):
         glue_drift.text_glues(tmp_path)
+
+
+def test_lists_and_ranges_of_numbers_count_as_numbers(tmp_path):
+    a = write_build(tmp_path / "a", {"10_x": {"r": "'79, 80'", "s": "'from 1.2 to 1.4'"}})
+    b = write_build(tmp_path / "b", {"10_x": {"r": "'79'", "s": "'from 1.3 to 1.3'"}})
+    assert glue_drift.drift([a, b]) == {}
+    c = write_build(tmp_path / "c", {"10_x": {"r": "'79 s'", "s": "'up to 1.3'"}})
+    assert glue_drift.drift([a, c]) == {
+        ("10", "r"): ["79, 80", "79 s"],
+        ("10", "s"): ["from 1.2 to 1.4", "up to 1.3"],
+    }
+
+
+def test_outcomes_are_listed_apart_and_do_not_fail(tmp_path, capsys):
+    a = write_build(tmp_path / "a", {"09_x": {"ab_verdict_outcome": "'B worse'"}})
+    b = write_build(tmp_path / "b", {"09_x": {"ab_verdict_outcome": "'no difference'"}})
+    assert glue_drift.drift([a, b]) == {}
+    assert glue_drift.drift([a, b], outcomes=True) == {
+        ("09", "ab_verdict_outcome"): ["B worse", "no difference"]
+    }
+    assert glue_drift.main([str(a), str(b)]) == 0
+    assert "outcome, chapter 09, ab_verdict_outcome" in capsys.readouterr().out
+    # the suffix is the whole marker: the same key without it is a claim
+    c = write_build(tmp_path / "c", {"09_x": {"ab_verdict": "'B worse'"}})
+    d = write_build(tmp_path / "d", {"09_x": {"ab_verdict": "'no difference'"}})
+    assert glue_drift.main([str(c), str(d)]) == 1
