@@ -3,7 +3,8 @@
 `measure(html_dir, pages, width)` serves the built book over HTTP from a thread, loads
 each page in an iframe `width` CSS pixels wide, and returns per page: the title, the
 figures (loaded or not, numbered, captioned, with real alt text), the tables (styled or
-not), the share of the page's height that is visible code, whether the page scrolls
+not), the equations left as raw TeX (the network is blocked, so MathJax must come from the
+book itself), the share of the page's height that is visible code, whether the page scrolls
 sideways, and the console errors Chromium logged while loading it.
 
 From the command line, on a built book:
@@ -56,7 +57,12 @@ function visit(url) {
   return new Promise((resolve) => {
     const frame = document.createElement("iframe");
     frame.style.width = "WIDTHpx"; frame.style.height = "900px";
-    frame.onload = () => {
+    frame.onload = async () => {
+      // MathJax typesets after the load event: wait for it, when the page loaded it at all
+      const mathjax = frame.contentWindow.MathJax;
+      if (mathjax && mathjax.startup && mathjax.startup.promise) {
+        try { await mathjax.startup.promise; } catch (e) { console.error("MathJax: " + e); }
+      }
       const doc = frame.contentDocument;
       const article = doc.querySelector("article.bd-article")
         || doc.querySelector("main") || doc.body;
@@ -96,11 +102,16 @@ function visit(url) {
         if (block.closest("details:not([open])")) continue;  // folded behind a toggle
         if (visible(block)) codeHeight += block.getBoundingClientRect().height;
       }
+      // math: every span/div Sphinx wrote as TeX must hold MathJax's typeset container
+      const maths = [...article.querySelectorAll(".math")];
+      const rawMath = maths.filter((m) => !m.querySelector("mjx-container"))
+        .map((m) => m.textContent.trim().slice(0, 60));
       const articleHeight = article.getBoundingClientRect().height;
       const text = doc.body ? doc.body.innerText : "";
       const pageWidth = doc.documentElement.scrollWidth;
       resolve({url, title: h1 ? h1.textContent.replace(/[#¶]/g, "").trim() : "",
                images: images.length, broken, figures, tables, explorers,
+               math: maths.length, raw_math: rawMath,
                code_share: articleHeight ? codeHeight / articleHeight : 0,
                article_height: articleHeight,
                page_width: pageWidth, frame_width: WIDTH,

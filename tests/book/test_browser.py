@@ -140,3 +140,12 @@ def test_the_explorers_work_without_a_kernel(desktop):
     assert {2, 3} <= {int(page[5:7]) for page in explorers if is_chapter(page)}
     for page, found in explorers.items():
         assert all(e["works"] and len(e["alt"].split()) >= 4 for e in found), (page, found)
+
+
+@pytest.mark.browser
+def test_every_equation_renders_offline(desktop):
+    """The harness blocks every host but its own, so an equation typesets only when the
+    book serves MathJax itself (_ext/minillm_book.py); a CDN script would leave raw TeX."""
+    assert sum(r["math"] for r in desktop.values()) > 0, "no equation found in the book"
+    raw = {page: r["raw_math"] for page, r in desktop.items() if r["raw_math"]}
+    assert raw == {}
