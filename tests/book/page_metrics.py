@@ -88,6 +88,7 @@ function visit(url) {
         const caption = figure ? figure.querySelector("figcaption .caption-text") : null;
         const alt = img.getAttribute("alt") || "";
         return {src: img.getAttribute("src"), numbered: !!number,
+                number: number ? number.textContent.trim() : "",
                 caption: caption ? caption.textContent.trim() : "",
                 alt: alt, alt_ok: alt.trim().split(/\\s+/).length >= 4 && !pathLike(alt.trim())};
       });
@@ -109,7 +110,10 @@ function visit(url) {
       const articleHeight = article.getBoundingClientRect().height;
       const text = doc.body ? doc.body.innerText : "";
       const pageWidth = doc.documentElement.scrollWidth;
+      const eqnos = [...article.querySelectorAll("span.eqno")]
+        .map((e) => e.textContent.replace(/[#¶]/g, "").trim());
       resolve({url, title: h1 ? h1.textContent.replace(/[#¶]/g, "").trim() : "",
+               equation_numbers: eqnos,
                images: images.length, broken, figures, tables, explorers,
                math: maths.length, raw_math: rawMath,
                code_share: articleHeight ? codeHeight / articleHeight : 0,

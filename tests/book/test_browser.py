@@ -36,6 +36,10 @@ def expected_title(page: str) -> str:
     return match.group(1).strip()
 
 
+def chapter_number(page: str) -> int:
+    return int(re.fullmatch(r"book/(\d\d)_.+", page).group(1))
+
+
 def straight_quotes(text: str) -> str:
     """Undo Sphinx's smart quotes, which turn the source's ' and " into typographic ones."""
     return text.translate(
@@ -73,7 +77,12 @@ def test_pages_render_in_a_real_browser(desktop):
     assert list(desktop) == toc_files()
     for page, result in desktop.items():
         assert result["url"] == f"/{page}.html"
-        assert straight_quotes(result["title"]) == expected_title(page), result
+        title = straight_quotes(result["title"])
+        if is_chapter(page):
+            pattern = rf"{chapter_number(page)}\.(\d+\.)? " + re.escape(expected_title(page))
+            assert re.fullmatch(pattern, title), (page, title)
+        else:
+            assert title == expected_title(page), result
         assert result["broken"] == [], f"{page}: figures that do not load: {result['broken']}"
         assert result["errors"] == 0 and not result["traceback"], f"{page}: error output"
 
@@ -149,3 +158,20 @@ def test_every_equation_renders_offline(desktop):
     assert sum(r["math"] for r in desktop.values()) > 0, "no equation found in the book"
     raw = {page: r["raw_math"] for page, r in desktop.items() if r["raw_math"]}
     assert raw == {}
+
+
+@pytest.mark.browser
+def test_chapters_figures_and_equations_carry_the_chapter_number(desktop):
+    """The sidebar and the titles number the chapters as the text counts them (a page of
+    chapter 3 is titled "3. ..." or "3.k. ..."), and a chapter's figures and equations are
+    numbered within it (Fig. 3.4, (3.1)), so "chapter 3" in the text finds its page."""
+    wrong = {}
+    for page, r in desktop.items():
+        if not is_chapter(page):
+            continue
+        n = chapter_number(page)
+        figures = [f["number"] for f in r["figures"] if not f["number"].startswith(f"Fig. {n}.")]
+        equations = [e for e in r["equation_numbers"] if not e.startswith(f"({n}.")]
+        if figures or equations:
+            wrong[page] = figures + equations
+    assert wrong == {}
