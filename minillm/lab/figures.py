@@ -83,6 +83,13 @@ def use_house_style(svg: bool = True) -> None:
         set_matplotlib_formats("svg")
 
 
+def _breakable(text: str) -> str:
+    """Escaped text that may wrap after a path's `/` or a name's `_` (an HTML `<wbr>`), so a
+    column of file paths or option names narrows to fit the page instead of hiding columns."""
+    escaped = html.escape(text)
+    return escaped.replace("/", "/<wbr>").replace("_", "_<wbr>")
+
+
 def _cell(value: Any) -> tuple[str, bool]:
     """A value as table-cell HTML, and whether it is a number (aligned right)."""
     if isinstance(value, RawHTML):
@@ -95,7 +102,7 @@ def _cell(value: Any) -> tuple[str, bool]:
             numeric = True
         except ValueError:
             numeric = False
-        return html.escape(text), numeric
+        return _breakable(text), numeric
     return html.escape(f"{value:,}" if isinstance(value, int) else f"{value}"), True
 
 
@@ -124,7 +131,7 @@ class Table:
         numeric = [all(row[i][1] for row in cells) for i in range(len(self.header))]
         align = ['class="text-right"' if n else "" for n in numeric]
         head = "".join(
-            f"<th {a}>{html.escape(h)}</th>" for h, a in zip(self.header, align, strict=True)
+            f"<th {a}>{_breakable(h)}</th>" for h, a in zip(self.header, align, strict=True)
         )
         body = "".join(
             "<tr>"
@@ -160,7 +167,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
 
 def code(text: str) -> RawHTML:
     """A table cell shown as code, e.g. a flag name or a string with its quotes."""
-    return RawHTML(f"<code>{html.escape(text)}</code>")
+    return RawHTML(f"<code>{_breakable(text)}</code>")
 
 
 __all__ = [
