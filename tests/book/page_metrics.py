@@ -3,7 +3,9 @@
 `measure(html_dir, pages, width)` serves the built book over HTTP from a thread, loads
 each page in an iframe `width` CSS pixels wide, and returns per page: the title, the
 figures (loaded or not, numbered, captioned, with real alt text), the tables (styled or
-not), the equations left as raw TeX (the network is blocked, so MathJax must come from the
+not), the CSS pixels of each table hidden
+behind its sideways scroll, the code boxes whose lines run past their right edge, the
+equations left as raw TeX (the network is blocked, so MathJax must come from the
 book itself), the share of the page's height that is visible code, whether the page scrolls
 sideways, and the console errors Chromium logged while loading it.
 
@@ -89,13 +91,25 @@ function visit(url) {
         const alt = img.getAttribute("alt") || "";
         return {src: img.getAttribute("src"), numbered: !!number,
                 number: number ? number.textContent.trim() : "",
+                width: img.getBoundingClientRect().width,
                 caption: caption ? caption.textContent.trim() : "",
                 alt: alt, alt_ok: alt.trim().split(/\\s+/).length >= 4 && !pathLike(alt.trim())};
       });
-      const tables = [...article.querySelectorAll("table")].map((t) => ({
-        styled: t.classList.contains("table") || t.classList.contains("docutils"),
-        scrolls: !!t.closest(".pst-scrollable-table-container") || !!t.closest(".cell_output"),
-        text: t.textContent.trim().slice(0, 60)}));
+      const tables = [...article.querySelectorAll("table")].map((t) => {
+        const box = t.closest(".pst-scrollable-table-container") || t.closest(".cell_output");
+        return {styled: t.classList.contains("table") || t.classList.contains("docutils"),
+                scrolls: !!box,
+                // CSS pixels of the table a reader must scroll sideways to see
+                hidden_px: box ? Math.max(0, t.getBoundingClientRect().width - box.clientWidth)
+                               : 0,
+                text: t.textContent.trim().slice(0, 60)};
+      });
+      // code boxes whose longest line runs past the box's right edge
+      const clippedCode = [...article.querySelectorAll("div.highlight pre")]
+        .filter((pre) => visible(pre) && !pre.closest("details:not([open])")
+                && pre.scrollWidth > pre.clientWidth + 1)
+        .map((pre) => pre.textContent.split("\n").reduce((a, b) => (b.length > a.length ? b : a))
+                .slice(0, 80));
       // visible code: code blocks a reader sees (not inside a closed <details>)
       let codeHeight = 0;
       for (const block of article.querySelectorAll("div.highlight")) {
@@ -115,7 +129,7 @@ function visit(url) {
       resolve({url, title: h1 ? h1.textContent.replace(/[#¶]/g, "").trim() : "",
                equation_numbers: eqnos,
                images: images.length, broken, figures, tables, explorers,
-               math: maths.length, raw_math: rawMath,
+               math: maths.length, raw_math: rawMath, clipped_code: clippedCode,
                code_share: articleHeight ? codeHeight / articleHeight : 0,
                article_height: articleHeight,
                page_width: pageWidth, frame_width: WIDTH,
@@ -138,6 +152,19 @@ function visit(url) {
 </script></body></html>"""
 
 CONSOLE_LINE = re.compile(r'CONSOLE[:(]\d+\)?\] "(?P<message>.*)", source: (?P<source>\S*)')
+
+
+def smallest_svg_text_pt(svg_path: pathlib.Path) -> tuple[float, float] | None:
+    """(smallest text size, drawn width), both in points, of a matplotlib SVG, or None.
+
+    The book's figures write text as paths (svg.fonttype "path"): each glyph run is a group
+    scaled from matplotlib's 100-unit glyphs, `scale(0.09 -0.09)` for 9 pt text."""
+    text = svg_path.read_text(encoding="utf-8")
+    width = re.search(r'<svg[^>]*\swidth="([\d.]+)pt"', text)
+    sizes = [float(s) * 100 for s in re.findall(r"scale\(([\d.]+) -[\d.]+\)", text)]
+    if width is None or not sizes:
+        return None
+    return min(sizes), float(width.group(1))
 
 
 def chromium_path() -> str | None:

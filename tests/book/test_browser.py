@@ -1,7 +1,9 @@
 """Open every built page in headless Chromium, at desktop and at phone width, and check
 what a reader sees: the title, figures that load and are numbered with a caption and alt
-text, styled tables, no error output, no console errors, no sideways scrolling on a
-420 px phone, and chapters whose visible code stays under a quarter of the page.
+text, styled tables that show every column on a desktop, code that is never cut at the
+right edge, diagram labels readable on a phone, chapter numbers, math typeset offline, no
+error output, no console errors, no sideways scrolling on a 420 px phone, and chapters
+whose visible code stays under a quarter of the page.
 
 Needs Debian's `chromium` (`make test` installs it when it may; by hand:
 `sudo apt-get install chromium`). The harness is `tests/book/page_metrics.py`.
@@ -16,6 +18,8 @@ from . import page_metrics
 from .conftest import source_of, toc_files
 
 PHONE_WIDTH = 420
+# the smallest label of a diagram a reader can make out on a phone, in CSS pixels
+MIN_PHONE_TEXT_PX = 9
 # the share of a chapter page's height that may be visible code (the rest: prose, figures,
 # tables, the engine's excerpts included in the code)
 MAX_CODE_SHARE = 0.25
@@ -175,3 +179,42 @@ def test_chapters_figures_and_equations_carry_the_chapter_number(desktop):
         if figures or equations:
             wrong[page] = figures + equations
     assert wrong == {}
+
+
+@pytest.mark.browser
+def test_tables_show_every_column_on_a_desktop(desktop):
+    """At 1280 px a table fits the text column: no column hides behind a sideways scroll
+    (on a phone the table scrolls in its own box, with a shadow at the edge)."""
+    hidden = {
+        page: [(t["text"][:40], round(t["hidden_px"])) for t in r["tables"] if t["hidden_px"] > 1]
+        for page, r in desktop.items()
+    }
+    assert {page: tables for page, tables in hidden.items() if tables} == {}
+
+
+@pytest.mark.browser
+def test_no_code_line_is_cut_at_the_right_edge(desktop, phone):
+    """Listings wrap at spaces: no line of code runs past its box, on a desktop or a phone."""
+    for width in (desktop, phone):
+        clipped = {page: r["clipped_code"] for page, r in width.items() if r["clipped_code"]}
+        assert clipped == {}
+
+
+@pytest.mark.browser
+def test_diagram_labels_are_readable_on_a_phone(phone, html_dir):
+    """At 420 px the smallest text of every SVG figure is at least MIN_PHONE_TEXT_PX CSS
+    pixels: its size in points times the scale the page shows the figure at."""
+    small = {}
+    for page, r in phone.items():
+        page_dir = (html_dir / page).parent
+        for figure in r["figures"]:
+            if not (figure["src"] or "").endswith(".svg"):
+                continue
+            found = page_metrics.smallest_svg_text_pt(page_dir / figure["src"])
+            if found is None:
+                continue
+            text_pt, width_pt = found
+            shown_px = text_pt * figure["width"] / width_pt  # pt * (px shown / pt drawn)
+            if shown_px < MIN_PHONE_TEXT_PX:
+                small.setdefault(page, []).append((figure["number"], round(shown_px, 1)))
+    assert small == {}
