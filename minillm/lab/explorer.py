@@ -15,7 +15,9 @@ loaded from elsewhere, so it works offline and in the notebook alike.
     explorer                                    # the last expression of a cell shows it
 
 Every combination of values is drawn (keep the product small: a few dozen images). The
-images are PNGs at 1.5 times the page's resolution, embedded as data URLs.
+images are PNGs at 1.5 times the page's resolution, embedded as data URLs. A control whose
+values are all numbers is a slider with a tick mark per value; one of names (a model, a GPU)
+is a menu.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import html
 import io
 import itertools
 import json
+import numbers
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -84,12 +87,26 @@ class Explorer:
         uid = "explorer-" + uuid.uuid4().hex[:8]
         controls = []
         for i, (name, values) in enumerate(self.sliders.items()):
+            label = html.escape(self.labels[name])
             shown = html.escape(str(values[self.initial[i]]))
+            if all(isinstance(v, numbers.Number) for v in values):
+                # a quantity: a slider with a tick mark at each value drawn
+                ticks = "".join(f'<option value="{k}"></option>' for k in range(len(values)))
+                control = (
+                    f'<input type="range" min="0" max="{len(values) - 1}" step="1" '
+                    f'value="{self.initial[i]}" data-slider="{i}" list="{uid}-ticks-{i}" '
+                    f'aria-label="{label}"><datalist id="{uid}-ticks-{i}">{ticks}</datalist>'
+                )
+            else:
+                # a choice among names (a model, a GPU): a menu, not a slider
+                options = "".join(
+                    f'<option value="{k}"{" selected" if k == self.initial[i] else ""}>'
+                    f"{html.escape(str(v))}</option>"
+                    for k, v in enumerate(values)
+                )
+                control = f'<select data-slider="{i}" aria-label="{label}">{options}</select>'
             controls.append(
-                f'<label class="minillm-explorer-control">{html.escape(self.labels[name])} '
-                f'<input type="range" min="0" max="{len(values) - 1}" step="1" '
-                f'value="{self.initial[i]}" data-slider="{i}" '
-                f'aria-label="{html.escape(self.labels[name])}"> '
+                f'<label class="minillm-explorer-control"><span>{label}</span> {control} '
                 f'<output data-value="{i}">{shown}</output></label>'
             )
         first = self.images[self.index_of(self.initial)]
@@ -99,7 +116,7 @@ class Explorer:
   const root = document.getElementById("{uid}");
   const images = {images};
   const values = {values};
-  const sliders = root.querySelectorAll("input[data-slider]");
+  const sliders = root.querySelectorAll("[data-slider]");
   function update() {{
     let index = 0;
     sliders.forEach((s, i) => {{
@@ -110,7 +127,10 @@ class Explorer:
     img.src = images[index];
     img.dataset.state = String(index);
   }}
-  sliders.forEach((s) => s.addEventListener("input", update));
+  sliders.forEach((s) => {{
+    s.addEventListener("input", update);
+    s.addEventListener("change", update);
+  }});
 }})();"""
         return (
             f'<div class="minillm-explorer" id="{uid}">'

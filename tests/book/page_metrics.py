@@ -74,13 +74,16 @@ function visit(url) {
       // explorers: moving a slider must show another precomputed image, without a kernel
       const explorers = [...article.querySelectorAll(".minillm-explorer")].map((box) => {
         const img = box.querySelector("img");
-        const slider = box.querySelector("input[type=range]");
+        const slider = box.querySelector("[data-slider]");  // a range slider or a menu
         const before = img ? img.dataset.state : null;
-        if (slider) {
+        if (slider && slider.tagName === "SELECT") {
+          slider.selectedIndex = slider.selectedIndex === 0 ? slider.options.length - 1 : 0;
+          slider.dispatchEvent(new Event("change"));
+        } else if (slider) {
           slider.value = String(Number(slider.value) === Number(slider.max) ? 0 : slider.max);
           slider.dispatchEvent(new Event("input"));
         }
-        return {sliders: box.querySelectorAll("input[type=range]").length,
+        return {sliders: box.querySelectorAll("[data-slider]").length,
                 works: !!img && img.dataset.state !== before,
                 alt: img ? img.getAttribute("alt") || "" : ""};
       });
@@ -108,7 +111,7 @@ function visit(url) {
       const clippedCode = [...article.querySelectorAll("div.highlight pre")]
         .filter((pre) => visible(pre) && !pre.closest("details:not([open])")
                 && pre.scrollWidth > pre.clientWidth + 1)
-        .map((pre) => pre.textContent.split("\n").reduce((a, b) => (b.length > a.length ? b : a))
+        .map((pre) => pre.textContent.split("\\n").reduce((a, b) => (b.length > a.length ? b : a))
                 .slice(0, 80));
       // visible code: code blocks a reader sees (not inside a closed <details>)
       let codeHeight = 0;

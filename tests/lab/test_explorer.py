@@ -54,6 +54,21 @@ def test_the_html_is_self_contained():
     assert explorer.images[1] in page.split("<script>")[0]
 
 
+def test_names_are_a_menu_and_numbers_a_slider_with_ticks():
+    explorer = Explorer(
+        draw_recorder([]),
+        {"model": ["Qwen3-8B", "Llama <3>"], "context": [1024, 8192, 32768]},
+        alt="bars of bytes per model",
+        initial={"model": "Llama <3>"},
+    )
+    page = explorer._repr_html_()
+    assert page.count("<select") == 1 and page.count('type="range"') == 1
+    options = re.findall(r"<option value=\"(\d)\"( selected)?>([^<]+)</option>", page)
+    assert options == [("0", "", "Qwen3-8B"), ("1", " selected", "Llama &lt;3&gt;")]
+    # one tick mark per context drawn
+    assert len(re.findall(r'<option value="\d"></option>', page)) == 3
+
+
 def test_bad_explorers_are_refused():
     draw = draw_recorder([])
     with pytest.raises(ValueError, match="at least one slider"):
