@@ -125,6 +125,13 @@ function visit(url) {
       const rawMath = maths.filter((m) => !m.querySelector("mjx-container"))
         .map((m) => m.textContent.trim().slice(0, 60));
       const articleHeight = article.getBoundingClientRect().height;
+      // where the first figure and the first visible code block start (CSS px, page top)
+      const top = (el) => el.getBoundingClientRect().top + frame.contentWindow.scrollY;
+      const firstFigure = [...article.querySelectorAll("figure img, .minillm-explorer img")]
+        .filter(visible).map(top).sort((a, b) => a - b)[0];
+      const firstCode = [...article.querySelectorAll("div.highlight")]
+        .filter((b) => visible(b) && !b.closest("details:not([open])")).map(top)
+        .sort((a, b) => a - b)[0];
       const text = doc.body ? doc.body.innerText : "";
       const pageWidth = doc.documentElement.scrollWidth;
       const eqnos = [...article.querySelectorAll("span.eqno")]
@@ -133,6 +140,8 @@ function visit(url) {
                equation_numbers: eqnos,
                images: images.length, broken, figures, tables, explorers,
                math: maths.length, raw_math: rawMath, clipped_code: clippedCode,
+               first_figure_y: firstFigure === undefined ? null : firstFigure,
+               first_code_y: firstCode === undefined ? null : firstCode,
                code_share: articleHeight ? codeHeight / articleHeight : 0,
                article_height: articleHeight,
                page_width: pageWidth, frame_width: WIDTH,

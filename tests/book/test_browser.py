@@ -218,3 +218,20 @@ def test_diagram_labels_are_readable_on_a_phone(phone, html_dir):
             if shown_px < MIN_PHONE_TEXT_PX:
                 small.setdefault(page, []).append((figure["number"], round(shown_px, 1)))
     assert small == {}
+
+
+@pytest.mark.browser
+def test_each_chapter_opens_with_a_picture_before_its_code(desktop):
+    """On a chapter's first page the first figure comes before the first visible code: the
+    reader sees the mechanism, then the code that does it."""
+    first_pages = {}
+    for page in desktop:  # in the order of the table of contents
+        if is_chapter(page):
+            first_pages.setdefault(chapter_number(page), page)
+    assert sorted(first_pages) == list(range(1, 11))
+    late = {}
+    for page in first_pages.values():
+        figure_y, code_y = desktop[page]["first_figure_y"], desktop[page]["first_code_y"]
+        if code_y is not None and (figure_y is None or figure_y > code_y):
+            late[page] = (figure_y, code_y)
+    assert late == {}
