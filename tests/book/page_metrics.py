@@ -140,6 +140,9 @@ function visit(url) {
                equation_numbers: eqnos,
                images: images.length, broken, figures, tables, explorers,
                math: maths.length, raw_math: rawMath, clipped_code: clippedCode,
+               glue_calls: [...article.querySelectorAll("div.highlight")]
+                 .filter((b) => visible(b) && !b.closest("details:not([open])")
+                         && /\\bglue\\(/.test(b.textContent)).length,
                first_figure_y: firstFigure === undefined ? null : firstFigure,
                first_code_y: firstCode === undefined ? null : firstCode,
                code_share: articleHeight ? codeHeight / articleHeight : 0,

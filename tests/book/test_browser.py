@@ -235,3 +235,10 @@ def test_each_chapter_opens_with_a_picture_before_its_code(desktop):
         if code_y is not None and (figure_y is None or figure_y > code_y):
             late[page] = (figure_y, code_y)
     assert late == {}
+
+
+@pytest.mark.browser
+def test_no_glue_call_is_shown(desktop):
+    """`glue(...)` only carries a number into the prose: a reader never sees the call."""
+    shown = {page: r["glue_calls"] for page, r in desktop.items() if r["glue_calls"]}
+    assert shown == {}
