@@ -210,7 +210,9 @@ class KVCacheManager:
         token_ids = request.all_token_ids
         if self.radix is not None:
             if getattr(request, "lora_request", None) is None:
-                self._insert_into_tree(token_ids, blocks, block_hashes, num_full_blocks)
+                self._insert_into_tree(
+                    request.request_id, token_ids, blocks, block_hashes, num_full_blocks
+                )
             return
         for i in range(len(block_hashes), num_full_blocks):
             parent_hash = block_hashes[-1] if block_hashes else root_block_hash(request)
@@ -222,19 +224,37 @@ class KVCacheManager:
 
     def _insert_into_tree(
         self,
+        request_id: str,
         token_ids: list[int],
         blocks: list[KVCacheBlock],
         num_cached: list[int],
         num_full_blocks: int,
     ) -> None:
-        """radix: insert the request's full blocks into the tree. A prefix the tree already
-        holds keeps its blocks (another request computed it first); this request's copies of
-        it stay ordinary blocks. `num_cached` has one entry per block already inserted."""
+        """radix: insert the request's full blocks into the tree. `num_cached` has one entry
+        per block already inserted.
+
+        A prefix the tree already holds keeps its blocks (another request computed it at the
+        same time), and this request adopts them in place of its own copies, which go back to
+        the pool, as SGLang does on insert. That keeps the invariant eviction relies on: the
+        tree's blocks a request holds are a path from the root, so every ancestor of a held
+        node is held, and a free block in the tree can always be evicted, leaf by leaf. Were
+        the copies kept, this request's later blocks would hang below the other request's
+        nodes, which could then be free and counted free, yet not evictable."""
         if num_full_blocks <= len(num_cached):
             return
         num_tokens = num_full_blocks * self.block_size
         matched = self.radix.insert(token_ids[:num_tokens], blocks[:num_full_blocks])
-        for block in blocks[matched // self.block_size : num_full_blocks]:
+        num_matched_blocks = matched // self.block_size
+        if num_matched_blocks:
+            _, node = self.radix.match_prefix(token_ids[:matched])
+            tree_blocks = self.radix.path_values(node)
+            for i in range(num_matched_blocks):
+                if blocks[i] is not tree_blocks[i]:
+                    self.block_pool.touch([tree_blocks[i]])
+                    self.block_pool.free_blocks([blocks[i]])
+                    blocks[i] = tree_blocks[i]
+                    self._block_ids.pop(request_id, None)
+        for block in blocks[num_matched_blocks:num_full_blocks]:
             self.block_pool.add_to_tree(block)
         num_cached.extend([0] * (num_full_blocks - len(num_cached)))
 
