@@ -14,6 +14,8 @@ same blocks; they differ in how they find them and in which cached blocks they e
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,11 +38,17 @@ class PrefixCacheStats:
 
 def root_block_hash(request: Request) -> int | None:
     """The parent hash of a request's first block: None on the base model; with a LoRA adapter,
-    a hash of its lora_int_id, so that every block hash of the chain names the adapter whose
-    keys and values the block holds (vLLM puts the request's LoRA in each block hash's extra
-    keys). Requests on different adapters never share KV blocks."""
+    a hash of the adapter's identity (its name and directory), so that every block hash of the
+    chain names the adapter whose keys and values the block holds (vLLM puts the request's LoRA
+    in each block hash's extra keys). Requests on different adapters never share KV blocks. Not
+    the lora_int_id: an id freed by evicting its adapter may name another adapter later, and
+    its requests must not find the old adapter's blocks."""
     lora = getattr(request, "lora_request", None)
-    return None if lora is None else hash_block_tokens(None, [-lora.lora_int_id])
+    if lora is None:
+        return None
+    path = os.path.abspath(os.path.expanduser(os.fspath(lora.lora_path)))
+    identity = f"lora\0{lora.lora_name}\0{path}".encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.sha256(identity).digest(), "big")
 
 
 class KVCacheManager:
