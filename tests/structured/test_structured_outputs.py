@@ -196,3 +196,21 @@ def test_every_completion_of_n_follows_its_own_grammar_state(llm):
     for completion in output.outputs:
         assert completion.finish_reason == "stop"
         assert re.fullmatch(REGEX, completion.text), completion.text
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"const": float("nan")}, "JSON cannot"),
+        ({"enum": [1, float("inf")]}, "JSON cannot"),
+        ({"enum": {1, 2}}, "JSON cannot"),
+    ],
+)
+def test_values_json_cannot_hold_are_a_value_error(schema, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(json=schema)
+
+
+def test_a_schema_text_with_nan_is_refused():
+    with pytest.raises(ValueError, match="is not a JSON value"):
+        StructuredOutputsParams(json='{"const": NaN}')
