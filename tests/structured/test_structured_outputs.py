@@ -233,3 +233,19 @@ def test_jump_forward_puts_no_token_past_a_stop_string(llm):
     decode = llm.get_tokenizer().decode
     assert output.outputs[0].text == "name" and output.outputs[0].stop_reason == ":"
     assert ":" in decode(token_ids) and ":" not in decode(token_ids[:-1])
+
+
+def test_a_grammar_that_ends_wins_over_min_tokens(llm):
+    """min_tokens cannot outlast the grammar: the stop token the grammar forces ends the
+    request once, instead of being drawn again until min_tokens tokens are out."""
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=20,
+        min_tokens=8,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )
+    [output] = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    completion = output.outputs[0]
+    eos = llm.get_tokenizer().eos_token_id
+    assert completion.text in ("yes", "no") and completion.finish_reason == "stop"
+    assert completion.token_ids[-1] == eos and completion.token_ids.count(eos) == 1
