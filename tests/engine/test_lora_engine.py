@@ -323,3 +323,30 @@ def test_an_id_reused_for_another_adapter_after_eviction_gets_fresh_kv(tiny_dir,
     before = stats.num_hit_tokens
     llm.generate([prompt], params, lora_request=LoRARequest("attn", 6, attn.lora_path))
     assert stats.num_hit_tokens - before == 36
+
+
+@pytest.mark.parametrize(
+    ("config_text", "weights_bytes", "message"),
+    [
+        ("{not json", None, "cannot read adapter_config.json"),
+        ("[1, 2]", None, "must hold a JSON object"),
+        (None, b"\x00\x01garbage", "cannot read adapter_model.safetensors"),
+    ],
+)
+def test_a_corrupt_adapter_is_a_value_error(
+    tiny_dir, adapters, tmp_path, config_text, weights_bytes, message
+):
+    """Corrupt files are a bad adapter, refused where it is named, not a library error."""
+    import shutil
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(adapters["attn"][0].lora_path, corrupt)
+    if config_text is not None:
+        (corrupt / "adapter_config.json").write_text(config_text)
+    if weights_bytes is not None:
+        (corrupt / "adapter_model.safetensors").write_bytes(weights_bytes)
+    llm = LLM(tiny_dir, dtype="float32", enable_lora=True, max_lora_rank=8)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([PROMPTS[0]], lora_request=LoRARequest("corrupt", 3, str(corrupt)))
+    [out] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
