@@ -185,13 +185,30 @@ class LLM:
         completion is in `outputs[i].delta_text`. Closing the iterator early aborts the request.
         """
         [request_id] = self._add_requests([prompt], [sampling_params or SamplingParams()], [0])
+        # characters of each completion's text yielded so far: delta_text is cut from the
+        # whole text here, so an output that never reached this queue (Ctrl-C in another
+        # call, between its step and the queueing) loses no text; streamed text only grows
+        num_sent: dict[int, int] = {}
         try:
             while True:
                 outputs = self._take(request_id)
                 if not outputs:
+                    with self._lock:
+                        processor = self.engine.output_processor
+                        if request_id not in processor.states and not any(
+                            state.request_id == request_id for state in processor.to_report
+                        ):
+                            raise RuntimeError(
+                                f"request {request_id}'s last output was lost (interrupted "
+                                "between a step and its queueing)"
+                            )
                     self._step()  # another call may have run the steps that made outputs
                     continue
                 for output in outputs:
+                    for completion in output.outputs:
+                        sent = num_sent.get(completion.index, 0)
+                        completion.delta_text = completion.text[sent:]
+                        num_sent[completion.index] = len(completion.text)
                     yield output
                     if output.finished:
                         return

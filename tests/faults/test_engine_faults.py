@@ -208,3 +208,35 @@ def test_a_random_fault_scenario(env, config):
     a KeyboardInterrupt among requests that share prefixes (soak.py runs many)."""
     seed = sorted(CONFIGS).index(config)
     assert run_scenario(seed, env, config) == []
+
+
+def test_ctrl_c_between_a_step_and_its_queueing_loses_no_streamed_text(env):
+    """Ctrl-C in one call just after a step made its outputs, before they reached the
+    queues: another call's open stream still gets all its text."""
+    from minillm.llm import LLM
+
+    llm = LLM(str(env.model_dir), device="cpu", dtype="float32", max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    [reference] = llm.generate(["the quick"], params, use_tqdm=False)
+    assert len(reference.outputs[0].text) > 16
+    stream = llm.stream("the quick", params)
+    text = next(stream).outputs[0].delta_text
+    step, calls = llm.engine.step, [0]
+
+    def step_then_interrupt():
+        outputs = step()
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt  # the signal lands just after the step returned
+        return outputs
+
+    llm.engine.step = step_then_interrupt
+    for _ in range(3):  # three calls interrupted, each after its second step
+        calls[0] = 0
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["def main"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    llm.engine.step = step
+    for output in stream:
+        text += output.outputs[0].delta_text
+    assert text == reference.outputs[0].text
+    assert not leftovers(llm)
