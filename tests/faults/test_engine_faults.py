@@ -90,12 +90,15 @@ def test_radix_cache_with_a_prefix_computed_twice_under_memory_pressure(env, asy
         ("schedule_ahead", RuntimeError),
         ("process", KeyboardInterrupt),
         ("process", RuntimeError),
+        ("process_sync", KeyboardInterrupt),
+        ("process_sync", RuntimeError),
     ],
 )
-def test_async_scheduling_loses_nothing_when_a_step_raises(env, where, error):
-    """A fault while the next step is planned ahead, or while a step's tokens are processed:
-    the other requests carry on with exactly their own tokens, and nothing is left held."""
-    engine = make_engine(env, async_scheduling=True)
+def test_a_step_that_raises_outside_the_forward_loses_nothing(env, where, error):
+    """A fault while the next step is planned ahead (async scheduling), or while a step's
+    tokens are processed (with and without it): the other requests carry on with exactly
+    their own tokens, and nothing is left held."""
+    engine = make_engine(env, async_scheduling=where != "process_sync")
     calls = [0]
     if where == "schedule_ahead":
         scheduler, plan = engine.scheduler, engine.scheduler.schedule
@@ -131,7 +134,7 @@ def test_async_scheduling_loses_nothing_when_a_step_raises(env, where, error):
         assert tokens(final[request_id]) == env.solo(prompt, params, None)
     assert final["b"].error is None and len(final["b"].outputs[0].token_ids) == 8
     assert -1 not in final["b"].outputs[0].token_ids  # no placeholder left in a request
-    assert_healthy(engine, env.fresh_probe("async"), PROBE_PROMPT, PROBE_PARAMS)
+    assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
