@@ -710,12 +710,16 @@ class LLMEngine:
         """
         sampled: dict = {}
         failed: list[tuple[ScheduledRequest, str]] = []
+        # the copy-on-write copies go with the first run, before any run writes: the failed
+        # attempt may have raised before making them, and making them again is harmless
+        copies = plan.block_copies
         for scheduled in plan.scheduled:
             if generators is not None:
                 self.model_runner.restore_generators(
                     {seq.request_id: generators[seq.request_id] for seq in scheduled.sampling_seqs}
                 )
-            alone = SchedulerOutput(step=plan.step, scheduled=[scheduled])
+            alone = SchedulerOutput(step=plan.step, scheduled=[scheduled], block_copies=copies)
+            copies = []
             try:
                 sampled.update(self.runner.execute_model(alone))
             except WorkerError:

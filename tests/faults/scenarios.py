@@ -154,13 +154,23 @@ def run_scenario(seed: int, env: Env, config: str | None = None) -> list[str]:
         when=lambda plan: any(s.request.request_id in poisoned for s in plan.scheduled),
     )
     armed = [armed]
-    if "transient" in faults:  # the whole batch fails once, each request alone runs
+    if "transient" in faults:
+        # the k-th batch of two or more requests fails once; each request then runs alone,
+        # where this fault never strikes (it would be that request's own fault)
+        batches, at = [0], rng.randint(1, 6)
+
+        def batch_fault(plan) -> bool:
+            if len(plan.scheduled) < 2:
+                return False
+            batches[0] += 1
+            return batches[0] == at
+
         armed.append(
             _Armed(
                 engine.runner,
                 "execute_model",
                 lambda: RuntimeError("a transient fault"),
-                at=rng.randint(1, 6),
+                when=batch_fault,
             )
         )
     interrupted = None

@@ -243,3 +243,26 @@ def test_ctrl_c_between_a_step_and_its_queueing_loses_no_streamed_text(env):
         text += output.outputs[0].delta_text
     assert text == reference.outputs[0].text
     assert not leftovers(llm)
+
+
+def test_a_batch_fault_before_the_copy_on_write_copies_is_redone_with_them(env):
+    """The batch raises before the runner made its copy-on-write copies: the requests run
+    alone then make them first, and the forks decode from the right keys and values."""
+    engine = make_engine(env, block_size=4)
+    execute, fired = engine.runner.execute_model, [0]
+
+    def fail_before_copies(plan):
+        if plan.block_copies and len(plan.scheduled) > 1 and not fired[0]:
+            fired[0] = 1
+            raise RuntimeError("a fault before the copies")
+        return execute(plan)
+
+    engine.runner.execute_model = fail_before_copies
+    forks = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=6, ignore_eos=True)
+    requests = {"forks": ([5, 17, 42, 9, 77, 3], forks), "other": ([8, 8, 120, 33], GREEDY)}
+    final = run_all(engine, requests)
+    assert fired[0]
+    for request_id, (prompt, params) in requests.items():
+        assert final[request_id].error is None
+        assert tokens(final[request_id]) == env.solo(prompt, params, None)
+    assert not leftovers(engine)
