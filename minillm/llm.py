@@ -20,7 +20,7 @@ import collections
 import itertools
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
@@ -97,6 +97,11 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, Mapping | str):
+            raise ValueError(
+                "sampling_params must be a SamplingParams or a sequence of them, got a "
+                f"{type(sampling_params).__name__}: build SamplingParams(**options)"
+            )
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
@@ -127,7 +132,12 @@ class LLM:
             return self.generate(batch, sampling_params, use_tqdm=use_tqdm)
 
         return beam_search(
-            generate, token_prompts, params, tokenizer.eos_token_id, tokenizer.decode
+            generate,
+            token_prompts,
+            params,
+            tokenizer.eos_token_id,
+            tokenizer.decode,
+            self.engine.max_model_len,
         )
 
     def _add_requests(
@@ -175,13 +185,30 @@ class LLM:
         completion is in `outputs[i].delta_text`. Closing the iterator early aborts the request.
         """
         [request_id] = self._add_requests([prompt], [sampling_params or SamplingParams()], [0])
+        # characters of each completion's text yielded so far: delta_text is cut from the
+        # whole text here, so an output that never reached this queue (Ctrl-C in another
+        # call, between its step and the queueing) loses no text; streamed text only grows
+        num_sent: dict[int, int] = {}
         try:
             while True:
                 outputs = self._take(request_id)
                 if not outputs:
+                    with self._lock:
+                        processor = self.engine.output_processor
+                        if request_id not in processor.states and not any(
+                            state.request_id == request_id for state in processor.to_report
+                        ):
+                            raise RuntimeError(
+                                f"request {request_id}'s last output was lost (interrupted "
+                                "between a step and its queueing)"
+                            )
                     self._step()  # another call may have run the steps that made outputs
                     continue
                 for output in outputs:
+                    for completion in output.outputs:
+                        sent = num_sent.get(completion.index, 0)
+                        completion.delta_text = completion.text[sent:]
+                        num_sent[completion.index] = len(completion.text)
                     yield output
                     if output.finished:
                         return
@@ -215,6 +242,11 @@ def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """One prompt (text, token ids or a prompt dict) or a sequence of them -> a list."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise ValueError(
+            "prompts must be a prompt (text, token ids or a prompt dict) or a sequence of "
+            f"them, got {prompts!r:.80}"
+        )
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single prompt of token ids

@@ -86,7 +86,12 @@ class StructuredOutputsParams:
                 "a JSON schema (a dict or its JSON text)",
             )
             if isinstance(self.json, dict):
-                json.dumps(self.json)  # TypeError for values JSON cannot hold
+                try:
+                    json.dumps(self.json, allow_nan=False)
+                except (TypeError, ValueError) as err:
+                    raise ValueError(
+                        f"structured_outputs.json holds a value JSON cannot: {err}"
+                    ) from None
             pattern = schema_to_regex(self.json)
         compile_regex(pattern)  # RegexError (a ValueError) for a pattern outside the subset
         object.__setattr__(self, "pattern", pattern)

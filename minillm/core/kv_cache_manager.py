@@ -14,6 +14,8 @@ same blocks; they differ in how they find them and in which cached blocks they e
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,11 +38,17 @@ class PrefixCacheStats:
 
 def root_block_hash(request: Request) -> int | None:
     """The parent hash of a request's first block: None on the base model; with a LoRA adapter,
-    a hash of its lora_int_id, so that every block hash of the chain names the adapter whose
-    keys and values the block holds (vLLM puts the request's LoRA in each block hash's extra
-    keys). Requests on different adapters never share KV blocks."""
+    a hash of the adapter's identity (its name and directory), so that every block hash of the
+    chain names the adapter whose keys and values the block holds (vLLM puts the request's LoRA
+    in each block hash's extra keys). Requests on different adapters never share KV blocks. Not
+    the lora_int_id: an id freed by evicting its adapter may name another adapter later, and
+    its requests must not find the old adapter's blocks."""
     lora = getattr(request, "lora_request", None)
-    return None if lora is None else hash_block_tokens(None, [-lora.lora_int_id])
+    if lora is None:
+        return None
+    path = os.path.abspath(os.path.expanduser(os.fspath(lora.lora_path)))
+    identity = f"lora\0{lora.lora_name}\0{path}".encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.sha256(identity).digest(), "big")
 
 
 class KVCacheManager:
@@ -210,7 +218,9 @@ class KVCacheManager:
         token_ids = request.all_token_ids
         if self.radix is not None:
             if getattr(request, "lora_request", None) is None:
-                self._insert_into_tree(token_ids, blocks, block_hashes, num_full_blocks)
+                self._insert_into_tree(
+                    request.request_id, token_ids, blocks, block_hashes, num_full_blocks
+                )
             return
         for i in range(len(block_hashes), num_full_blocks):
             parent_hash = block_hashes[-1] if block_hashes else root_block_hash(request)
@@ -222,19 +232,37 @@ class KVCacheManager:
 
     def _insert_into_tree(
         self,
+        request_id: str,
         token_ids: list[int],
         blocks: list[KVCacheBlock],
         num_cached: list[int],
         num_full_blocks: int,
     ) -> None:
-        """radix: insert the request's full blocks into the tree. A prefix the tree already
-        holds keeps its blocks (another request computed it first); this request's copies of
-        it stay ordinary blocks. `num_cached` has one entry per block already inserted."""
+        """radix: insert the request's full blocks into the tree. `num_cached` has one entry
+        per block already inserted.
+
+        A prefix the tree already holds keeps its blocks (another request computed it at the
+        same time), and this request adopts them in place of its own copies, which go back to
+        the pool, as SGLang does on insert. That keeps the invariant eviction relies on: the
+        tree's blocks a request holds are a path from the root, so every ancestor of a held
+        node is held, and a free block in the tree can always be evicted, leaf by leaf. Were
+        the copies kept, this request's later blocks would hang below the other request's
+        nodes, which could then be free and counted free, yet not evictable."""
         if num_full_blocks <= len(num_cached):
             return
         num_tokens = num_full_blocks * self.block_size
         matched = self.radix.insert(token_ids[:num_tokens], blocks[:num_full_blocks])
-        for block in blocks[matched // self.block_size : num_full_blocks]:
+        num_matched_blocks = matched // self.block_size
+        if num_matched_blocks:
+            _, node = self.radix.match_prefix(token_ids[:matched])
+            tree_blocks = self.radix.path_values(node)
+            for i in range(num_matched_blocks):
+                if blocks[i] is not tree_blocks[i]:
+                    self.block_pool.touch([tree_blocks[i]])
+                    self.block_pool.free_blocks([blocks[i]])
+                    blocks[i] = tree_blocks[i]
+                    self._block_ids.pop(request_id, None)
+        for block in blocks[num_matched_blocks:num_full_blocks]:
             self.block_pool.add_to_tree(block)
         num_cached.extend([0] * (num_full_blocks - len(num_cached)))
 

@@ -691,7 +691,9 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     token_ids = request.all_token_ids
     token_id = token_ids[-1]
     num_output_tokens = len(token_ids) - len(request.prompt_token_ids)
-    if num_output_tokens >= params.min_tokens:
+    # a grammar that allows only stop tokens wins over min_tokens in the sampler: the stop
+    # token it forces ends the request, where min_tokens would only make it repeat
+    if num_output_tokens >= params.min_tokens or params.structured_outputs is not None:
         if token_id in params.stop_token_ids:
             return _finish(request, RequestStatus.FINISHED_STOPPED, token_id)
         if token_id in request.eos_token_ids and not params.ignore_eos:

@@ -79,8 +79,11 @@ class EngineArgs:
     # "raw_logits", "processed_logprobs" or "processed_logits" (after masks, penalties,
     # temperature and top-k/top-p/min-p: what the token is drawn from)
     logprobs_mode: str = "raw_logprobs"
-    # constrained decoding: append the text a grammar forces without a forward per token
-    enable_jump_forward: bool = True
+    # constrained decoding: append the text a grammar forces without a forward per token.
+    # Off by default, as in SGLang: the forced text is tokenized as one run, not as the model
+    # would split it, so the tokens (and the greedy text after them) can differ from decoding
+    # token by token; on, it trades that fidelity for fewer forwards
+    enable_jump_forward: bool = False
     # multi-LoRA serving (vLLM's options; minillm.model.lora): requests name an adapter with
     # a LoRARequest; a step's batch uses at most max_loras adapters, each of rank <=
     # max_lora_rank; max_cpu_loras adapters stay loaded (None: max_loras), the least recently

@@ -57,10 +57,16 @@ def get_beam_search_score(
 
 
 def beam_search(
-    generate, prompts: list[list[int]], params: BeamSearchParams, eos_token_id, decode
+    generate,
+    prompts: list[list[int]],
+    params: BeamSearchParams,
+    eos_token_id,
+    decode,
+    max_model_len: int | None = None,
 ) -> list[BeamSearchOutput]:
     """Run the search. generate(prompts, sampling_params) -> RequestOutputs is the engine's
-    batched generate; prompts are token ids; decode(token_ids) -> text."""
+    batched generate; prompts are token ids; decode(token_ids) -> text. A beam that fills
+    max_model_len finishes there with finish_reason "length", as generate's requests do."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     width = params.beam_width
@@ -80,6 +86,13 @@ def beam_search(
     live = [[BeamSearchSequence(tokens=list(prompt))] for prompt in prompts]
     finished: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     for _ in range(params.max_tokens):
+        if max_model_len is not None:
+            for i, beams in enumerate(live):
+                full = [beam for beam in beams if len(beam.tokens) >= max_model_len]
+                for beam in full:
+                    beam.finish_reason = "length"
+                finished[i] += full
+                live[i] = [beam for beam in beams if len(beam.tokens) < max_model_len]
         flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
         if not flat:
             break

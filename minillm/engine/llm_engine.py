@@ -397,7 +397,27 @@ class LLMEngine:
             # interrupted (Ctrl-C): nothing of the step happened; its requests recompute later
             self.scheduler.requeue(plan)
             raise
-        return self._process(plan, sampled, failed)
+        try:
+            return self._process(plan, sampled, failed)
+        except BaseException:
+            # interrupted or a bug while processing: the step may be half applied; its
+            # unfinished requests recompute from the tokens they have, the finished ones are
+            # reported
+            self.scheduler.requeue(plan)
+            self._report_stranded()
+            raise
+
+    def _report_stranded(self) -> None:
+        """After a step raised: a request the scheduler finished without the output processor
+        seeing it is reported as it ended, and one the scheduler no longer knows is aborted,
+        so that no caller waits for a request that will never progress."""
+        for state in list(self.output_processor.states.values()):
+            if all(seq.is_finished for seq in state.seqs):
+                for seq in state.seqs:
+                    self.structured_output_manager.free(seq.request_id)
+                self.output_processor.report(state)
+            elif not any(seq.request_id in self.scheduler.requests for seq in state.seqs):
+                self.abort_request(state.request_id, error="lost by a step that raised")
 
     def _step_async(self) -> list[RequestOutput]:
         """One iteration with async_scheduling: overlap scheduling, as in SGLang's overlap
@@ -443,27 +463,31 @@ class LLMEngine:
             self._in_flight = (plan, self._start_forward(plan))
         plan, future = self._in_flight
         self._in_flight = None
-        if self.scheduler.has_unfinished_requests():
-            ahead = self.scheduler.schedule_ahead(plan)  # overlaps forward n
-            if ahead is not None:
-                self._in_flight = (ahead, self._start_forward(ahead))
-        sampled, failed = self._collect(plan, future)
-        self.scheduler.forward_done(None if self._in_flight is None else self._in_flight[0])
-        outputs = self._process(plan, sampled, failed)  # overlaps forward n + 1
+        outputs = self._finish_step_async(plan, future)
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             # every request of step n + 1 stopped in step n: take it in now, so that its
             # blocks go back and the engine is idle once it reports nothing unfinished
             plan, future = self._in_flight
             self._in_flight = None
-            sampled, failed = self._collect(plan, future)
-            self.scheduler.forward_done(None)
-            outputs += self._process(plan, sampled, failed)
+            outputs += self._finish_step_async(plan, future, plan_ahead=False)
         return outputs
 
-    def _collect(self, plan: SchedulerOutput, future: concurrent.futures.Future) -> tuple:
-        """The sampled tokens and failed requests of the forward of `plan`."""
+    def _finish_step_async(
+        self, plan: SchedulerOutput, future: concurrent.futures.Future, plan_ahead: bool = True
+    ) -> list[RequestOutput]:
+        """Plan the next step while `plan`'s forward runs (unless told not to), then take in
+        and process `plan`'s tokens. Whatever raises on the way (Ctrl-C, a bug in planning or
+        processing) leaves no step half done: both steps are taken back once the forward
+        thread is idle and their requests recompute later, other callers' requests included,
+        which therefore never keep a placeholder or blocks that nobody gives back."""
         try:
-            return future.result()
+            if plan_ahead and self.scheduler.has_unfinished_requests():
+                ahead = self.scheduler.schedule_ahead(plan)  # overlaps forward n
+                if ahead is not None:
+                    self._in_flight = (ahead, self._start_forward(ahead))
+            sampled, failed = future.result()
+            self.scheduler.forward_done(None if self._in_flight is None else self._in_flight[0])
+            return self._process(plan, sampled, failed)  # overlaps forward n + 1
         except BaseException:
             self._requeue_in_flight(plan, future)
             raise
@@ -516,15 +540,25 @@ class LLMEngine:
             self.scheduler.undo_advance(plan)
         self.scheduler.requeue(plan)
         self.scheduler.forward_done(None)
+        self._report_stranded()
 
     def _execute(self, plan: SchedulerOutput) -> tuple[dict, list]:
         """The plan's sampled tokens, and the requests it failed on (none when the batch ran)."""
+        generators = self._generator_states(plan)
         try:
             return self.runner.execute_model(plan), []
         except WorkerError:
             raise  # the worker processes are gone: no request can run any more
-        except Exception as error:  # noqa: BLE001 - isolated per request, then reported
-            return self._run_one_by_one(plan, error)
+        except Exception:  # noqa: BLE001 - isolated per request, then reported
+            return self._run_one_by_one(plan, generators)
+
+    def _generator_states(self, plan: SchedulerOutput) -> dict | None:
+        """The random streams of the plan's sequences before it runs (one process only: worker
+        processes keep theirs, and a fault there is a WorkerError)."""
+        if self.executor is not None:
+            return None
+        seq_ids = [seq.request_id for s in plan.scheduled for seq in s.sampling_seqs]
+        return self.model_runner.generator_states(seq_ids)
 
     def _abort_failed(self, failed: list[tuple[ScheduledRequest, str]]) -> None:
         for scheduled, message in failed:
@@ -661,27 +695,37 @@ class LLMEngine:
             )
 
     def _run_one_by_one(
-        self, plan: SchedulerOutput, batch_error: Exception
+        self, plan: SchedulerOutput, generators: dict | None
     ) -> tuple[dict, list[tuple[ScheduledRequest, str]]]:
         """The batch failed: run each scheduled request alone to find the ones it fails on.
 
         Returns the tokens of the others, and the failed requests with their error, which the
-        engine aborts and reports: one bad request costs the others nothing. Keys and values
-        written by the failed attempt are written again with the same values, so re-running
-        is safe. With async scheduling this runs in the forward thread, so that the next
-        plan's placeholders are resolved from these tokens.
+        engine aborts and reports: one bad request costs the others nothing. When every
+        request runs alone, the fault was the batch's (a transient error, memory the batch
+        needed but a request alone does not) and the step goes on with their tokens. Keys and
+        values written by the failed attempt are written again with the same values, and each
+        seeded sequence's random stream is put back first (`generators`), so the tokens are
+        those of a clean run. With async scheduling this runs in the forward thread, so that
+        the next plan's placeholders are resolved from these tokens.
         """
         sampled: dict = {}
         failed: list[tuple[ScheduledRequest, str]] = []
+        # the copy-on-write copies go with the first run, before any run writes: the failed
+        # attempt may have raised before making them, and making them again is harmless
+        copies = plan.block_copies
         for scheduled in plan.scheduled:
-            alone = SchedulerOutput(step=plan.step, scheduled=[scheduled])
+            if generators is not None:
+                self.model_runner.restore_generators(
+                    {seq.request_id: generators[seq.request_id] for seq in scheduled.sampling_seqs}
+                )
+            alone = SchedulerOutput(step=plan.step, scheduled=[scheduled], block_copies=copies)
+            copies = []
             try:
                 sampled.update(self.runner.execute_model(alone))
+            except WorkerError:
+                raise
             except Exception as error:  # noqa: BLE001 - reported with the request
                 failed.append((scheduled, f"{type(error).__name__}: {error}"))
-        if not failed:  # only the batch as a whole fails: nobody is to blame alone
-            failed = [(s, f"{type(batch_error).__name__}: {batch_error}") for s in plan.scheduled]
-            sampled = {}
         return sampled, failed
 
 

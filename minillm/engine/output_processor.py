@@ -159,8 +159,21 @@ def detokenize_new_tokens(seq: Request, text: SequenceText) -> str | None:
                 if params.include_stop_str_in_output:
                     stop_index += len(stop_str)
                 text.text = text.text[:stop_index]
+                _drop_tokens_after(seq, i)
                 return stop_str
     return None
+
+
+def _drop_tokens_after(seq: Request, index: int) -> None:
+    """The output ends with token `index`, the one that completed a stop string: tokens a
+    step appended after it (speculative decoding's accepted drafts, jump-forward's forced run)
+    are dropped, so token_ids, usage and logprobs are those of decoding one token a step."""
+    num_after = seq.num_output_tokens - (index + 1)
+    if num_after <= 0:
+        return
+    if len(seq.output_logprobs) == seq.num_output_tokens:
+        del seq.output_logprobs[index + 1 :]
+    del seq.all_token_ids[seq.num_prompt_tokens + index + 1 :]
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> tuple[str, int] | None:

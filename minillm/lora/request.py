@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+# the runner keeps each token's adapter id in an int64 tensor
+MAX_LORA_INT_ID = 2**63 - 1
+
 
 @dataclass(frozen=True, slots=True)
 class LoRARequest:
@@ -28,8 +31,10 @@ class LoRARequest:
         if (
             isinstance(self.lora_int_id, bool)
             or not isinstance(self.lora_int_id, int)
-            or self.lora_int_id < 1
+            or not 1 <= self.lora_int_id <= MAX_LORA_INT_ID
         ):
-            raise ValueError(f"lora_int_id must be an int > 0, got {self.lora_int_id!r}")
+            raise ValueError(
+                f"lora_int_id must be an int in [1, {MAX_LORA_INT_ID}], got {self.lora_int_id!r}"
+            )
         if not isinstance(self.lora_path, str | os.PathLike) or not str(self.lora_path):
             raise ValueError(f"lora_path must be the adapter's directory, got {self.lora_path!r}")

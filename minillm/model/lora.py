@@ -65,7 +65,14 @@ def read_adapter_config(path: pathlib.Path) -> dict:
             f"lora_path {str(path)!r} is not a LoRA adapter directory: expected "
             f"{ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE} in it"
         )
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"adapter {str(path)!r}: cannot read {ADAPTER_CONFIG_FILE}: {err}"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"adapter {str(path)!r}: {ADAPTER_CONFIG_FILE} must hold a JSON object")
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"adapter {str(path)!r}: peft_type must be 'LORA', got {peft_type!r}")
@@ -98,7 +105,13 @@ def load_lora_adapter(lora_request: LoRARequest) -> LoRAAdapter:
     weights_file = path / ADAPTER_WEIGHTS_FILE
     if not weights_file.is_file():
         raise ValueError(f"adapter {str(path)!r} has no {ADAPTER_WEIGHTS_FILE}")
-    tensors = safetensors.torch.load_file(str(weights_file))
+    try:
+        tensors = safetensors.torch.load_file(str(weights_file))
+    except Exception as err:  # noqa: BLE001 - the library's errors for a corrupt file vary
+        raise ValueError(
+            f"adapter {str(path)!r}: cannot read {ADAPTER_WEIGHTS_FILE}: {type(err).__name__}: "
+            f"{err}"
+        ) from None
     rank = config["r"]
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():

@@ -13,6 +13,7 @@ when an accepting state has no way on, they are the only tokens allowed, so the 
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,11 @@ import torch
 
 from minillm.model.tokenizer import Tokenizer
 from minillm.structured.regex import DFA, compile_regex
+
+# compiled grammars an engine keeps for reuse, least recently used dropped first: each holds a
+# [vocab] mask per DFA state it has reached, which adds up over many distinct constraints (a
+# request still using a dropped grammar keeps it through its matcher)
+MAX_CACHED_GRAMMARS = 32
 
 
 @functools.lru_cache(maxsize=1)
@@ -168,7 +174,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._vocab: list[bytes | None] | None = None
         self._trie: TokenTrie | None = None
-        self.grammars: dict[str, TokenGrammar] = {}
+        self.grammars: OrderedDict[str, TokenGrammar] = OrderedDict()
         self.matchers: dict[str, GrammarMatcher] = {}
 
     @property
@@ -185,6 +191,10 @@ class StructuredOutputManager:
             vocab = self.vocab
             grammar = TokenGrammar(compile_regex(pattern), vocab, self._trie)
             self.grammars[pattern] = grammar
+            if len(self.grammars) > MAX_CACHED_GRAMMARS:
+                self.grammars.popitem(last=False)
+        else:
+            self.grammars.move_to_end(pattern)
         return grammar
 
     def matcher(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from minillm.structured.regex import escape
+from minillm.structured.regex import MAX_PATTERN_LENGTH, CompileLimitError, escape
 
 ANNOTATIONS = {"title", "description", "$schema", "$id", "default", "examples", "$comment"}
 TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
@@ -87,6 +87,30 @@ def _repeat(item: str, low: int, high: int | None, separator: str) -> str:
 
 
 def _value(schema: object, where: str) -> str:
+    """The pattern of one (sub)schema, refused as soon as it outgrows MAX_PATTERN_LENGTH:
+    nesting repeats a pattern (an array writes its item twice), so a deep schema would grow
+    past any memory before the regex compiler could refuse it."""
+    pattern = _value_pattern(schema, where)
+    if len(pattern) > MAX_PATTERN_LENGTH:
+        raise CompileLimitError(
+            f"json schema {where}: its pattern is longer than MAX_PATTERN_LENGTH="
+            f"{MAX_PATTERN_LENGTH} characters (nested too deep, or too many alternatives)"
+        )
+    return pattern
+
+
+def _json_text(value: object, where: str) -> str:
+    """A JSON value of an enum or const as the text it must be; NaN and infinities are no
+    JSON."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise SchemaError(
+            f"json schema {where}: {value!r:.60} is not a JSON value ({err})"
+        ) from None
+
+
+def _value_pattern(schema: object, where: str) -> str:
     if schema is True or schema == {}:
         raise SchemaError(
             f"json schema {where}: an unconstrained value (true or {{}}) is not supported; "
@@ -99,7 +123,7 @@ def _value(schema: object, where: str) -> str:
         values = schema["enum"] if "enum" in schema else [schema["const"]]
         if not isinstance(values, list) or not values:
             raise SchemaError(f"json schema {where}: enum must be a non-empty list")
-        return "(?:" + "|".join(escape(json.dumps(v)) for v in values) + ")"
+        return "(?:" + "|".join(escape(_json_text(v, where)) for v in values) + ")"
     if "anyOf" in schema:
         _check_keys(schema, {"anyOf"}, where)
         options = schema["anyOf"]

@@ -218,6 +218,24 @@ class ModelRunner:
             for i, seq in enumerate(seqs)
         }
 
+    def generator_states(self, seq_ids: list[str]) -> dict[str, torch.Tensor | None]:
+        """The state of each sequence's random stream before a step (None: not created yet),
+        for `restore_generators` when the step is run again."""
+        return {
+            seq_id: None if (gen := self.generators.get(seq_id)) is None else gen.get_state()
+            for seq_id in seq_ids
+        }
+
+    def restore_generators(self, states: dict[str, torch.Tensor | None]) -> None:
+        """Put each sequence's random stream back where `generator_states` found it: a step
+        that failed and is run again draws the same numbers a clean run draws, so a seeded
+        request's output does not depend on a neighbour's fault."""
+        for seq_id, state in states.items():
+            if state is None:
+                self.generators.pop(seq_id, None)  # made by the failed attempt: made again
+            else:
+                self.generators[seq_id].set_state(state)
+
     def _generator(self, seq: Request) -> torch.Generator | None:
         if seq.request_id not in self.generators:
             params = seq.sampling_params

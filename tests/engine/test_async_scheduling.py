@@ -176,9 +176,12 @@ def test_structured_outputs_and_jump_forward_are_unchanged(model_dir):
         ),
         GREEDY,
     ]
-    sync, overlapped, _ = both(model_dir, ["the", "a block", "def main"], params)
-    assert overlapped == sync
-    assert overlapped["1"][0][1] in ("quick brown", "lazy dog")
+    for jump_forward in (False, True):
+        sync, overlapped, _ = both(
+            model_dir, ["the", "a block", "def main"], params, enable_jump_forward=jump_forward
+        )
+        assert overlapped == sync
+        assert overlapped["1"][0][1] in ("quick brown", "lazy dog")
 
 
 def test_streamed_outputs_are_the_same_step_by_step(model_dir):

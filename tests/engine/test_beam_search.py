@@ -175,3 +175,13 @@ def test_ignore_eos_keeps_eos_beams_going(llm, oracle):
 def test_bad_beam_search_params_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         BeamSearchParams(**kwargs)
+
+
+def test_beams_that_fill_max_model_len_finish_by_length(llm):
+    # a 60-token prompt and max_tokens=10 on max_model_len=64: the beams stop at 64 tokens,
+    # as generate's requests do, instead of the search failing on their 64-token "prompts"
+    prompt = [0] + [4, 7, 5] * 19 + [4, 7]
+    assert len(prompt) == 60
+    [result] = llm.beam_search([prompt], BeamSearchParams(2, 10, ignore_eos=True))
+    assert result.sequences and all(len(seq.tokens) == 64 for seq in result.sequences)
+    assert all(seq.finish_reason == "length" for seq in result.sequences)

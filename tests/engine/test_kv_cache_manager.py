@@ -1,10 +1,12 @@
 """Tests for the KV-cache manager: block tables, prefix caching, forks and copy-on-write."""
 
+import copy
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -358,9 +360,11 @@ def sha256_chain(token_ids: list[int]) -> list[int]:
 class KVCacheMachine(RuleBasedStateMachine):
     """A scheduler's calls in random order; every step writes its tokens into `slots`."""
 
+    ALGO = "hash"
+
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, prefix_caching_algo=self.ALGO)
         self.pool = self.manager.block_pool
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -478,7 +482,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         for block in self.pool.blocks:
             assert block.ref_cnt >= 0
             assert block.ref_cnt == holders[block.block_id]
-            assert (block.ref_cnt == 0) == (block.block_id in self.pool.free_block_queue)
+            # radix: a free block the tree indexes waits outside the free list
+            free_listed = block.ref_cnt == 0 and not block.in_radix_tree
+            assert free_listed == (block.block_id in self.pool.free_block_queue)
         num_used = sum(block.ref_cnt > 0 for block in self.pool.blocks)
         assert self.pool.get_num_free_blocks() + num_used == NUM_BLOCKS
         assert self.manager.usage == pytest.approx(num_used / NUM_BLOCKS)
@@ -493,7 +499,19 @@ class KVCacheMachine(RuleBasedStateMachine):
             # a shared block sits at the same position of every table that holds it
             assert len({index for _, index in family_and_index}) == 1
             if len({family for family, _ in family_and_index}) > 1:
-                assert self.pool.blocks[block_id].block_hash is not None
+                block = self.pool.blocks[block_id]
+                assert block.block_hash is not None or block.in_radix_tree
+
+    @invariant()
+    def every_block_counted_free_can_be_allocated(self) -> None:
+        # what the scheduler is told is free must be there when it allocates: a copy of the
+        # pool hands out that many blocks (the radix tree evicting what it must) and no more
+        pool = copy.deepcopy(self.pool)
+        num_free = pool.get_num_free_blocks()
+        assert num_free == sum(block.ref_cnt == 0 for block in self.pool.blocks)
+        taken = pool.get_new_blocks(num_free)
+        assert len({block.block_id for block in taken}) == num_free
+        assert all(block.ref_cnt >= 1 for block in pool.blocks)
 
     @invariant()
     def every_table_shows_its_requests_tokens(self) -> None:
@@ -532,6 +550,14 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 TestKVCacheMachine = KVCacheMachine.TestCase
+
+
+class RadixKVCacheMachine(KVCacheMachine):
+    ALGO = "radix"
+
+
+TestRadixKVCacheMachine = RadixKVCacheMachine.TestCase
+TestRadixKVCacheMachine.settings = settings(max_examples=200, stateful_step_count=30)
 
 
 # ---- the radix tree as the prefix cache (prefix_caching_algo="radix") ----
@@ -579,3 +605,21 @@ def test_a_radix_block_in_use_is_never_evicted():
     with pytest.raises(ValueError, match="only 1 are free"):
         manager.block_pool.get_new_blocks(2)
     assert manager.get_computed_blocks(Req("b", [1, 2, 3, 4, 5, 6, 7]))[1] == 6
+
+
+def test_a_prefix_computed_twice_at_once_is_adopted_from_the_tree():
+    # a and b compute the same two blocks at the same time (neither finds the other's in the
+    # cache); b's third block hangs below the tree's copy of them. When a finishes, its blocks
+    # are free, and they must be evictable: b holds the tree's copies, not its own
+    manager = KVCacheManager(7, block_size=2, prefix_caching_algo="radix")
+    pool = manager.block_pool
+    a, b = Req("a", [1, 2, 3, 4, 5]), Req("b", [1, 2, 3, 4, 6, 7, 8])
+    assert manager.allocate_slots(a, 1) and manager.allocate_slots(b, 1)
+    step(manager, a, 4)  # a's [1, 2], [3, 4] join the tree
+    step(manager, b, 6)  # b computed its own [1, 2], [3, 4]; its [6, 7] joins below a's
+    a_blocks = manager.get_block_ids("a")
+    assert manager.get_block_ids("b")[:2] == a_blocks[:2]  # adopted
+    manager.free(a)
+    assert pool.get_num_free_blocks() == 7 - len(manager.get_block_ids("b"))
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert not {block.block_id for block in taken} & set(manager.get_block_ids("b"))

@@ -158,3 +158,15 @@ def test_generate_command(model_dir, capsys):
     status = main(["generate", "", "--model", str(model_dir)])
     assert status == 2
     assert "empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prompts", [None, 42, 3.5])
+def test_generate_names_a_prompt_that_is_no_prompt(prompts):
+    with pytest.raises(ValueError, match="prompts must be a prompt"):
+        as_prompt_list(prompts)
+
+
+def test_options_as_a_dict_are_named_not_iterated(llm):
+    with pytest.raises(ValueError, match="got a dict: build SamplingParams"):
+        llm.generate(["the"], {"temperature": 0.0}, use_tqdm=False)
+    assert llm.generate(["the"], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished

@@ -172,6 +172,10 @@ def test_prefix_cache_not_shared_across_adapters(tiny_dir, adapters, algo):
 def test_bad_lora_requests_refused_where_they_enter(tiny_dir, adapters, tmp_path):
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, "/nowhere")
+    with pytest.raises(
+        ValueError, match=r"lora_int_id must be an int in \[1, 9223372036854775807\]"
+    ):
+        LoRARequest("x", 2**64, "/nowhere")
     plain = LLM(tiny_dir, dtype="float32")
     with pytest.raises(ValueError, match="enable_lora=True"):
         plain.generate([PROMPTS[0]], lora_request=adapters["attn"][0], use_tqdm=False)
@@ -292,3 +296,57 @@ def test_a_step_uses_at_most_max_loras_adapters(tiny_dir, adapters, max_loras):
     for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
         model = oracle[None if lora is None else lora.lora_name]
         assert got[str(i)] == greedy_reference(model, prompt, 6)
+
+
+def test_an_id_reused_for_another_adapter_after_eviction_gets_fresh_kv(tiny_dir, adapters):
+    """The prefix cache keys an adapter's blocks by the adapter (name and directory), not by
+    its lora_int_id: once "attn" is evicted, "all" loaded under attn's id must not read the
+    blocks "attn" cached for the same prompt."""
+    attn, all_ = adapters["attn"][0], adapters["all"][0]
+    all_as_attn = LoRARequest(all_.lora_name, attn.lora_int_id, all_.lora_path)
+    other = LoRARequest("other", 5, attn.lora_path)
+    prompt = list(range(3, 40))  # 9 full blocks of 4
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    options = dict(dtype="float32", enable_lora=True, max_lora_rank=8, block_size=4)
+    [fresh] = LLM(tiny_dir, **options).generate(
+        [prompt], params, lora_request=all_as_attn, use_tqdm=False
+    )
+    llm = LLM(tiny_dir, max_loras=1, **options)
+    [cached] = llm.generate([prompt], params, lora_request=attn, use_tqdm=False)
+    llm.generate([[7, 8]], params, lora_request=other, use_tqdm=False)  # evicts attn
+    assert attn.lora_int_id not in llm.engine.lora_manager.adapters
+    [reused] = llm.generate([prompt], params, lora_request=all_as_attn, use_tqdm=False)
+    assert reused.outputs[0].token_ids == fresh.outputs[0].token_ids
+    assert cached.outputs[0].token_ids != fresh.outputs[0].token_ids  # the test can fail
+    # the same adapter (name and directory) under another id holds the same KV: a hit
+    stats = llm.engine.kv_cache_manager.prefix_cache_stats
+    before = stats.num_hit_tokens
+    llm.generate([prompt], params, lora_request=LoRARequest("attn", 6, attn.lora_path))
+    assert stats.num_hit_tokens - before == 36
+
+
+@pytest.mark.parametrize(
+    ("config_text", "weights_bytes", "message"),
+    [
+        ("{not json", None, "cannot read adapter_config.json"),
+        ("[1, 2]", None, "must hold a JSON object"),
+        (None, b"\x00\x01garbage", "cannot read adapter_model.safetensors"),
+    ],
+)
+def test_a_corrupt_adapter_is_a_value_error(
+    tiny_dir, adapters, tmp_path, config_text, weights_bytes, message
+):
+    """Corrupt files are a bad adapter, refused where it is named, not a library error."""
+    import shutil
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(adapters["attn"][0].lora_path, corrupt)
+    if config_text is not None:
+        (corrupt / "adapter_config.json").write_text(config_text)
+    if weights_bytes is not None:
+        (corrupt / "adapter_model.safetensors").write_bytes(weights_bytes)
+    llm = LLM(tiny_dir, dtype="float32", enable_lora=True, max_lora_rank=8)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([PROMPTS[0]], lora_request=LoRARequest("corrupt", 3, str(corrupt)))
+    [out] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2

@@ -149,3 +149,63 @@ def test_strings_drawn_from_the_pattern_and_their_edits_agree_with_re(pattern, d
     else:
         edited = text[:position] + text[position + 1 :]
     assert dfa.fullmatch(edited) == (compiled.fullmatch(edited) is not None)
+
+
+# ---- compile limits: a bad request, refused fast with the limit named ----
+
+
+def nested_arrays(depth: int) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_deeply_nested_schema_is_refused_before_its_pattern_grows():
+    from minillm.structured.json_schema import schema_to_regex
+    from minillm.structured.regex import MAX_PATTERN_LENGTH, CompileLimitError
+
+    # each level writes its item twice: 60 levels would be 2**60 characters
+    with pytest.raises(CompileLimitError, match=f"MAX_PATTERN_LENGTH={MAX_PATTERN_LENGTH}") as e:
+        schema_to_regex(nested_arrays(60))
+    assert isinstance(e.value, ValueError) and len(str(e.value)) < 600
+    assert len(schema_to_regex(nested_arrays(4))) < MAX_PATTERN_LENGTH  # shallow ones pass
+
+
+def test_a_long_pattern_is_refused_with_a_short_message():
+    from minillm.structured.regex import MAX_PATTERN_LENGTH, CompileLimitError
+
+    with pytest.raises(CompileLimitError, match="MAX_PATTERN_LENGTH") as e:
+        compile_regex("a" * (MAX_PATTERN_LENGTH + 1))
+    assert len(str(e.value)) < 300
+    with pytest.raises(RegexError, match=r"\(5002 characters\)") as e:
+        compile_regex("(" + "a" * 5000 + "(")  # a syntax error quotes the pattern's ends only
+    assert len(str(e.value)) < 300
+
+
+@pytest.mark.parametrize(
+    ("limit", "value", "pattern"),
+    [
+        # subset construction's work, which bounds its time
+        ("MAX_COMPILE_STEPS", 100_000, "(.{0,30}){0,30}"),
+        # NFA states: counted repeats nest multiplicatively
+        ("MAX_NFA_STATES", 2_000, "((a{0,50}){50})"),
+        ("MAX_DFA_STATES", 100, "[a-z]{0,200}"),
+    ],
+)
+def test_compilation_past_a_limit_is_a_compile_limit_error(monkeypatch, limit, value, pattern):
+    import minillm.structured.regex as regex
+
+    monkeypatch.setattr(regex, limit, value)
+    with pytest.raises(regex.CompileLimitError, match=f"{limit}={value}"):
+        compile_regex.__wrapped__(pattern)
+
+
+def test_minimization_by_byte_classes_keeps_the_language():
+    # the refinement reads one column per class of bytes; the DFA must still be minimal and
+    # exact: .{0,3} over UTF-8 needs 4 accepting states and 2 + 3 continuation states per
+    # position in between, checked against re on strings of every length around the bound
+    dfa = compile_regex(".{0,3}")
+    for text in ("", "a", "é", "中😀", "abc", "abcd", "a\n", "中中中", "中中中中"):
+        assert dfa.fullmatch(text) == (re.fullmatch(".{0,3}", text) is not None), text
+    assert len(dfa.accepting) == 4

@@ -142,13 +142,13 @@ def test_jump_forward_skips_forwards_over_forced_text(llm):
         temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)
     )
     engine = llm.engine
+    assert not engine.enable_jump_forward  # off by default: tokens as decoded one by one
     try:
-        engine.enable_jump_forward = False
         text_without, steps_without = run_counting_steps(llm, PROMPTS[0], params)
         engine.enable_jump_forward = True
         text_with, steps_with = run_counting_steps(llm, PROMPTS[0], params)
     finally:
-        engine.enable_jump_forward = True
+        engine.enable_jump_forward = False
     for text in (text_without, text_with):
         validate(json.loads(text), schema)
     # '{"identifier": "x", "description": ' is forced after the first "{": one forward
@@ -196,3 +196,56 @@ def test_every_completion_of_n_follows_its_own_grammar_state(llm):
     for completion in output.outputs:
         assert completion.finish_reason == "stop"
         assert re.fullmatch(REGEX, completion.text), completion.text
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"const": float("nan")}, "JSON cannot"),
+        ({"enum": [1, float("inf")]}, "JSON cannot"),
+        ({"enum": {1, 2}}, "JSON cannot"),
+    ],
+)
+def test_values_json_cannot_hold_are_a_value_error(schema, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(json=schema)
+
+
+def test_a_schema_text_with_nan_is_refused():
+    with pytest.raises(ValueError, match="is not a JSON value"):
+        StructuredOutputsParams(json='{"const": NaN}')
+
+
+def test_jump_forward_puts_no_token_past_a_stop_string(llm):
+    """A stop string inside a forced run: the run's tokens after the one that completes it
+    are not output (token ids end there, as decoding a token a step would end them)."""
+    constraint = StructuredOutputsParams(regex="name: [a-z]{1,8}, age: [0-9]{1,3}")
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, stop=[":"], structured_outputs=constraint
+    )
+    engine = llm.engine
+    try:
+        engine.enable_jump_forward = True
+        [output] = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    finally:
+        engine.enable_jump_forward = False
+    token_ids = output.outputs[0].token_ids
+    decode = llm.get_tokenizer().decode
+    assert output.outputs[0].text == "name" and output.outputs[0].stop_reason == ":"
+    assert ":" in decode(token_ids) and ":" not in decode(token_ids[:-1])
+
+
+def test_a_grammar_that_ends_wins_over_min_tokens(llm):
+    """min_tokens cannot outlast the grammar: the stop token the grammar forces ends the
+    request once, instead of being drawn again until min_tokens tokens are out."""
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=20,
+        min_tokens=8,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )
+    [output] = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    completion = output.outputs[0]
+    eos = llm.get_tokenizer().eos_token_id
+    assert completion.text in ("yes", "no") and completion.finish_reason == "stop"
+    assert completion.token_ids[-1] == eos and completion.token_ids.count(eos) == 1

@@ -97,3 +97,16 @@ def test_every_allowed_token_keeps_the_text_a_prefix_of_some_match(tokenizer, ma
         if prefix in language:
             expected.add(eos)
         assert set(mask.nonzero().flatten().tolist()) == expected, prefix
+
+
+def test_the_grammar_cache_keeps_the_most_recently_used(manager, monkeypatch):
+    import minillm.structured.grammar as grammar
+
+    monkeypatch.setattr(grammar, "MAX_CACHED_GRAMMARS", 3)
+    first = manager.grammar("a")
+    for pattern in ("b", "c"):
+        manager.grammar(pattern)
+    assert manager.grammar("a") is first  # used again: now the most recent
+    manager.grammar("d")  # drops "b", the least recently used
+    assert list(manager.grammars) == ["c", "a", "d"]
+    assert manager.grammar("a") is first

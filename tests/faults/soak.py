@@ -1,0 +1,51 @@
+"""Soak the engine with random fault scenarios for a while: `python -m tests.faults.soak
+--minutes N` (from the repository root).
+
+Each scenario is `scenarios.run_scenario(seed, ...)` with the next seed, so any failure it
+prints can be replayed alone with `--seed S --count 1`. Exits 1 when any scenario found a
+problem. The model is the tests' tiny random Llama, built into a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import pathlib
+import random
+import sys
+import tempfile
+import time
+
+from tests.engine.tiny_llama import build_tiny_llama
+from tests.faults.scenarios import CONFIGS, make_env, run_scenario
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=5.0, help="how long to run")
+    parser.add_argument("--seed", type=int, default=None, help="first seed (default: random)")
+    parser.add_argument("--count", type=int, default=None, help="stop after this many")
+    args = parser.parse_args(argv)
+    first = random.randrange(10**9) if args.seed is None else args.seed
+    with tempfile.TemporaryDirectory() as tmp:
+        root = pathlib.Path(tmp)
+        env = make_env(build_tiny_llama(root / "model"), root)
+        deadline = time.monotonic() + 60 * args.minutes
+        runs: collections.Counter[str] = collections.Counter()
+        failures: list[str] = []
+        seed = first
+        while time.monotonic() < deadline and (args.count is None or seed - first < args.count):
+            config = random.Random(seed).choice(sorted(CONFIGS))
+            problems = run_scenario(seed, env, config)
+            runs[config] += 1
+            for problem in problems:
+                print("FAIL", problem, flush=True)
+            failures += problems
+            seed += 1
+    print(f"seeds {first}..{seed - 1}: {sum(runs.values())} scenarios, {len(failures)} problems")
+    print("  by configuration: " + ", ".join(f"{c} {n}" for c, n in sorted(runs.items())))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
