@@ -66,6 +66,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tokens a key may spend at once (default: a minute's worth)",
     )
     p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help="a larger request body is answered 413 unread (default: 8 MiB)",
+    )
+    p.add_argument(
         "--lora-modules",
         nargs="+",
         default=None,
@@ -97,6 +103,12 @@ def engine_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def server_options(args: argparse.Namespace) -> dict:
+    """The server options given on the command line whose defaults live in the server."""
+    names = ("max_request_body_bytes",)
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 def _run(args: argparse.Namespace) -> int:
     from minillm.serve.server import serve_forever
 
@@ -111,6 +123,7 @@ def _run(args: argparse.Namespace) -> int:
         rate_limit_tokens_per_minute=args.rate_limit_tokens_per_minute,
         rate_limit_burst_tokens=args.rate_limit_burst_tokens,
         lora_modules=args.lora_modules,
+        **server_options(args),
         **engine_options(args),
     )
     return 0

@@ -44,6 +44,11 @@ from minillm.serve.protocol import (
     value_error,
 )
 from minillm.serve.rate_limit import RateLimited, RateLimiter, Reservation
+from minillm.structured.grammar import token_bytes
+
+# the largest request body read (vLLM sets none): far above any prompt that fits a context
+# window, as text or as token ids, and small enough to parse in a fraction of a second
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 2**20
 
 SAMPLING_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 
@@ -67,15 +72,42 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
+def longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes of text one token can stand for: the longest vocabulary entry or
+    added token (a special token's text is matched whole)."""
+    vocab = [len(b) for b in token_bytes(tokenizer, tokenizer.vocab_size) if b]
+    added = [
+        len(token.content.encode())
+        for token in tokenizer.backend.get_added_tokens_decoder().values()
+    ]
+    return max(vocab + added + [1])
+
+
 class PromptReader:
     """A request body's prompt token ids and SamplingParams, as the server admits them: what
     needs only the tokenizer, the chat template and max_model_len, so that a router counts a
-    request's tokens exactly as the replica will (minillm.serve.router)."""
+    request's tokens exactly as the replica will (minillm.serve.router).
+
+    Its methods tokenize, so they run in a worker thread, never on the event loop; a text
+    longer than `max_prompt_bytes` is refused before it is tokenized: max_model_len tokens of
+    at most `longest_token_bytes` each cannot hold it, whatever the tokenizer makes of it."""
 
     def __init__(self, tokenizer, chat_template: ChatTemplate | None, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.max_model_len = max_model_len
+        self.max_prompt_bytes = max_model_len * longest_token_bytes(tokenizer)
+
+    def check_text_bytes(self, text: str, param: str) -> None:
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > self.max_prompt_bytes:
+            raise ApiError(
+                f"this model's maximum context length is {self.max_model_len} tokens, and the "
+                f"prompt's {size} bytes of text cannot fit in it (no token is longer than "
+                f"{self.max_prompt_bytes // self.max_model_len} bytes)",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
         """vLLM's rule: the prompt and max_tokens must fit in max_model_len together;
@@ -104,6 +136,8 @@ class PromptReader:
         return max_tokens  # a bad value is refused by SamplingParams, which names the field
 
     def prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            self.check_text_bytes(prompt, "prompt")
         try:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         except ValueError as err:
@@ -151,8 +185,11 @@ class PromptReader:
             text = self.chat_template.render(messages, body.add_generation_prompt)
         except ChatTemplateError as err:
             raise ApiError(str(err), param="messages") from None
-        # the template wrote the special tokens it wants (a BOS): add none of our own
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self.check_text_bytes(text, "messages")
+        try:  # the template wrote the special tokens it wants (a BOS): add none of our own
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as err:  # text that is not valid Unicode
+            raise ApiError(str(err), param="messages") from None
         if not ids:
             raise ApiError("the chat template rendered an empty prompt", param="messages")
         k = body.num_logprobs()
@@ -175,8 +212,10 @@ class OpenAIServer:
         chat_template: ChatTemplate | None,
         rate_limiter: RateLimiter | None = None,
         lora_modules: dict[str, LoRARequest] | None = None,
+        max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     ) -> None:
         self.rate_limiter = rate_limiter
+        self.max_request_body_bytes = max_request_body_bytes
         # adapters clients name as `model` (vLLM's --lora-modules), beside the base model
         self.lora_modules = dict(lora_modules or {})
         self.async_engine = async_engine
@@ -189,6 +228,26 @@ class OpenAIServer:
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ checks
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, or 413 past max_request_body_bytes: the declared length is
+        checked first, and the read stops as soon as the limit is passed."""
+        limit = self.max_request_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise body_too_large(limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def parse(self, request: Request, model):
+        """The body as a request object; parsed in a worker thread, like the tokenizing
+        after it, so that a large body does not stall the other streams' event loop."""
+        return await asyncio.to_thread(parse_request, await self.read_body(request), model)
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter `model` names, None for the base model; 404 for another name."""
@@ -370,11 +429,11 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/completions
 
     async def completions(self, request: Request) -> Response:
-        body = parse_request(await request.body(), CompletionRequest)
+        body = await self.parse(request, CompletionRequest)
         lora_request = self.check_model(body.model)
         if body.echo and body.logprobs is not None:
             raise ApiError("echo together with logprobs is not supported", param="echo")
-        prompts, ids_list, params_list = self.prompts.completion(body)
+        prompts, ids_list, params_list = await asyncio.to_thread(self.prompts.completion, body)
         echoes = [
             (p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else ""
             for p in prompts
@@ -382,8 +441,8 @@ class OpenAIServer:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         shared: asyncio.Queue = asyncio.Queue()
         reservation = self.admit(request, ids_list, params_list)
-        request_ids = await self.start_reserved(
-            request_id, prompts, params_list, shared, reservation, lora_request
+        request_ids = await self.start_reserved(  # token ids: the engine tokenizes nothing
+            request_id, ids_list, params_list, shared, reservation, lora_request
         )
         index_of = {r: i for i, r in enumerate(request_ids)}
         n, k = body.n, body.logprobs
@@ -454,9 +513,9 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/chat/completions
 
     async def chat_completions(self, request: Request) -> Response:
-        body = parse_request(await request.body(), ChatCompletionRequest)
+        body = await self.parse(request, ChatCompletionRequest)
         lora_request = self.check_model(body.model)
-        ids, params = self.prompts.chat(body)
+        ids, params = await asyncio.to_thread(self.prompts.chat, body)
         k = body.num_logprobs()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         shared: asyncio.Queue = asyncio.Queue()
@@ -610,6 +669,14 @@ def settle(reservation: Reservation | None, outputs: list[RequestOutput] | None)
         reservation.settle(None if outputs is None else usage_of(outputs)["total_tokens"])
 
 
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(
+        f"the request body is larger than this server's limit of {limit} bytes",
+        status_code=413,
+        code="request_too_large",
+    )
+
+
 def engine_error(message: str) -> dict:
     return ApiError(message, 500, code="engine_error", type="server_error").body()
 
@@ -644,10 +711,23 @@ def build_app(
     api_key: str | None = None,
     rate_limiter: RateLimiter | None = None,
     lora_modules: dict[str, LoRARequest] | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app. `async_engine` must be started (and is not stopped by the app)."""
+    if isinstance(max_request_body_bytes, bool) or not (
+        isinstance(max_request_body_bytes, int) and max_request_body_bytes >= 1
+    ):
+        raise ValueError(
+            f"max_request_body_bytes must be an int >= 1, got {max_request_body_bytes!r}"
+        )
     server = OpenAIServer(
-        async_engine, served_model_name, metrics, chat_template, rate_limiter, lora_modules
+        async_engine,
+        served_model_name,
+        metrics,
+        chat_template,
+        rate_limiter,
+        lora_modules,
+        max_request_body_bytes,
     )
     app = FastAPI(title="minillm", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -655,6 +735,14 @@ def build_app(
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, err: Exception) -> JSONResponse:
+        # a bug, not the client's fault: still OpenAI's JSON, so that clients parse it (the
+        # traceback goes to the server's log)
+        message = f"internal server error: {type(err).__name__}: {err}"
+        error = ApiError(message, 500, code="internal_error", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
 
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)

@@ -180,6 +180,10 @@ def parse_request(raw: bytes, model: type[BaseModel]) -> BaseModel:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ApiError(f"the request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(
+            "the request body nests JSON arrays or objects too deeply", code="invalid_json"
+        ) from None
     if not isinstance(data, dict):
         raise ApiError(
             f"the request body must be a JSON object, got {type(data).__name__}",

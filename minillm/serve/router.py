@@ -219,6 +219,14 @@ def load_prompt_reader(model: str | None = None, max_model_len: int | None = Non
     return PromptReader(loaded.tokenizer, ChatTemplate.from_model_dir(loaded.path), limit)
 
 
+def load_json(raw: bytes) -> object:
+    """The body's JSON, None when it is not JSON (the replica answers the 400)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
 def prompt_and_cost(reader: PromptReader, raw: bytes, path: str) -> tuple[int, int] | None:
     """(prompt tokens, tokens to reserve) of a request body, counted as the replica counts
     them; None when the replica will refuse the body (not JSON, a field missing or wrong)."""
@@ -409,16 +417,14 @@ class Router:
 
     async def forward(self, request: Request, path: str) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None  # the replica answers the 400
+        body = await asyncio.to_thread(load_json, raw)
         headers = {
             k: v for k, v in request.headers.items() if k in ("content-type", "authorization")
         }
         reservation, prompt_tokens = None, 0
         if self.rate_limiter is not None:
-            counted = prompt_and_cost(self.prompts, raw, path)
+            # tokenizing in a worker thread: a long prompt does not stall the other streams
+            counted = await asyncio.to_thread(prompt_and_cost, self.prompts, raw, path)
             if counted is not None:  # else the replica answers the 400, and nothing is taken
                 prompt_tokens, cost = counted
                 key = rate_limit_key(request.headers.get("authorization", ""))

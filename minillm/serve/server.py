@@ -30,7 +30,7 @@ from minillm.engine.args import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.lora.request import LoRARequest
 from minillm.model.loader import DEFAULT_MODEL
-from minillm.serve.api_server import build_app
+from minillm.serve.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, build_app
 from minillm.serve.async_engine import AsyncEngine
 from minillm.serve.chat_template import ChatTemplate
 from minillm.serve.metrics import ServerMetrics
@@ -68,6 +68,7 @@ def make_server_app(
     rate_limit_burst_tokens: float | None = None,
     rate_limiter: RateLimiter | None = None,
     lora_modules: dict[str, str] | list[str] | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     **engine_args,
 ) -> ServerApp:
     """The app for `model`: an `LLM`, an `LLMEngine`, or a model directory or bundled name
@@ -77,7 +78,8 @@ def make_server_app(
     holding rate_limit_burst_tokens at most (default: a minute's worth); rate_limiter: a
     RateLimiter made by the caller (one with a test clock) instead. lora_modules: adapters
     clients select by `model` ({name: path}, or vLLM's "name=path" strings), for an engine
-    with enable_lora=True; each is loaded and checked now."""
+    with enable_lora=True; each is loaded and checked now. max_request_body_bytes: a larger
+    body is answered 413 unread."""
     from minillm.llm import LLM
 
     if rate_limiter is None and rate_limit_tokens_per_minute is not None:
@@ -109,7 +111,16 @@ def make_server_app(
     metrics = ServerMetrics(engine, name)
     async_engine = AsyncEngine(engine, max_waiting_requests, metrics.observe, lock)
     chat_template = ChatTemplate.from_model_dir(engine.tokenizer.path.parent)
-    app = build_app(async_engine, name, metrics, chat_template, api_key, rate_limiter, adapters)
+    app = build_app(
+        async_engine,
+        name,
+        metrics,
+        chat_template,
+        api_key,
+        rate_limiter,
+        adapters,
+        max_request_body_bytes,
+    )
     return ServerApp(app, engine, async_engine, metrics, name, owns_engine)
 
 
