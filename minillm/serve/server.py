@@ -13,7 +13,8 @@ stops it at the end of the block:
         #   --base-url server.url, or httpx.get(server.url + "/metrics")
 
 `start_server` does the same without the block; `server.stop()` ends it. While a server
-runs, it owns its engine: do not call `llm.generate` on the same `LLM` until it is stopped.
+runs, it owns its engine: `llm.generate`, `llm.stream` and `llm.beam_search` on the same `LLM`
+raise RuntimeError until it is stopped (two consumers would each lose the other's outputs).
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ class ServerApp:
     metrics: ServerMetrics
     served_model_name: str
     owns_engine: bool  # made here from a model name: shut down with the server
+    llm: object = None  # the LLM served, if one was given: handed back on close
 
     def close(self) -> None:
         self.async_engine.shutdown()
+        if self.llm is not None:
+            self.llm._hand_over(None)
         if self.owns_engine:
             self.engine.shutdown()
 
@@ -108,20 +112,28 @@ def make_server_app(
         raise ValueError("lora_modules need an engine with enable_lora=True (--enable-lora)")
     for lora in adapters.values():
         engine.lora_manager.add_lora(lora)  # a bad adapter fails now, not at a request
-    metrics = ServerMetrics(engine, name)
-    async_engine = AsyncEngine(engine, max_waiting_requests, metrics.observe, lock)
-    chat_template = ChatTemplate.from_model_dir(engine.tokenizer.path.parent)
-    app = build_app(
-        async_engine,
-        name,
-        metrics,
-        chat_template,
-        api_key,
-        rate_limiter,
-        adapters,
-        max_request_body_bytes,
-    )
-    return ServerApp(app, engine, async_engine, metrics, name, owns_engine)
+    served_llm = model if isinstance(model, LLM) else None
+    if served_llm is not None:  # its generate and stream raise until the server is closed
+        served_llm._hand_over(f"the minillm server {name!r}")
+    try:
+        metrics = ServerMetrics(engine, name)
+        async_engine = AsyncEngine(engine, max_waiting_requests, metrics.observe, lock)
+        chat_template = ChatTemplate.from_model_dir(engine.tokenizer.path.parent)
+        app = build_app(
+            async_engine,
+            name,
+            metrics,
+            chat_template,
+            api_key,
+            rate_limiter,
+            adapters,
+            max_request_body_bytes,
+        )
+    except BaseException:
+        if served_llm is not None:
+            served_llm._hand_over(None)
+        raise
+    return ServerApp(app, engine, async_engine, metrics, name, owns_engine, served_llm)
 
 
 def lora_module_requests(
