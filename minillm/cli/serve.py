@@ -72,6 +72,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a larger request body is answered 413 unread (default: 8 MiB)",
     )
     p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        help="seconds running requests may go on after SIGTERM or Ctrl-C before they are "
+        "ended with an error (streams: an error event and [DONE]; default: 5)",
+    )
+    p.add_argument(
         "--lora-modules",
         nargs="+",
         default=None,
@@ -105,7 +112,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def server_options(args: argparse.Namespace) -> dict:
     """The server options given on the command line whose defaults live in the server."""
-    names = ("max_request_body_bytes",)
+    names = ("max_request_body_bytes", "shutdown_timeout")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

@@ -26,6 +26,7 @@ import hmac
 import json
 import time
 import uuid
+import weakref
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -66,6 +67,21 @@ class AbortingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_close()
+
+
+class ShuttingDown(Exception):
+    """The server's drain time after SIGTERM is over: what still runs is ended."""
+
+
+def shutting_down_error() -> ApiError:
+    return ApiError(
+        "the server is shutting down: this request did not finish within its drain time; "
+        "retry on another replica",
+        503,
+        code="server_shutting_down",
+        type="server_error",
+        headers={"Retry-After": "1"},
+    )
 
 
 def sse(data: dict | str) -> str:
@@ -226,6 +242,21 @@ class OpenAIServer:
         self.chat_template = chat_template
         self.prompts = PromptReader(self.tokenizer, chat_template, self.engine.max_model_len)
         self.created = int(time.time())
+        self.draining = False  # set on SIGTERM: new requests get a 503
+        # the queues of the requests running, to end them when the drain time is over
+        self.queues: weakref.WeakSet[asyncio.Queue] = weakref.WeakSet()
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Called on the event loop when the server starts to shut down: refuse new requests,
+        let running ones go on for `timeout_s` seconds, then end them (a stream with an error
+        event and [DONE], a non-streaming request with a 503)."""
+        self.draining = True
+
+        def end_running() -> None:
+            for shared in list(self.queues):
+                shared.put_nowait(ShuttingDown())  # raised by whoever reads the queue
+
+        asyncio.get_running_loop().call_later(timeout_s, end_running)
 
     # ------------------------------------------------------------------ checks
 
@@ -247,6 +278,8 @@ class OpenAIServer:
     async def parse(self, request: Request, model):
         """The body as a request object; parsed in a worker thread, like the tokenizing
         after it, so that a large body does not stall the other streams' event loop."""
+        if self.draining:
+            raise shutting_down_error()
         return await asyncio.to_thread(parse_request, await self.read_body(request), model)
 
     def check_model(self, model: str | None) -> LoRARequest | None:
@@ -290,6 +323,7 @@ class OpenAIServer:
         set when the API server hands a request to the engine): their TTFT and queueing
         time include the wait for the engine thread to take them, between two steps."""
         arrival_time = self.engine.clock()
+        self.queues.add(shared)
         request_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
@@ -371,6 +405,9 @@ class OpenAIServer:
                 self.async_engine.abort(*request_ids)
         if not work.done() or work.cancelled():
             return None  # the client is gone; nobody reads an answer
+        if isinstance(work.exception(), ShuttingDown):
+            self.async_engine.abort(*request_ids)
+            raise shutting_down_error()
         if work.exception() is not None:
             raise ApiError(str(work.exception()), 503, code="engine_dead", type="server_error")
         for output in finals.values():
@@ -480,7 +517,11 @@ class OpenAIServer:
             sent: dict[tuple[int, int], int] = {}  # (prompt, completion) -> tokens sent
             text_sent: dict[tuple[int, int], int] = {}
             finals: dict[str, RequestOutput] = {}
-            async for output in self.stream_outputs(shared, len(request_ids), latest):
+            outputs = self.stream_outputs(shared, len(request_ids), latest)
+            async for output in ending_on_shutdown(outputs):
+                if isinstance(output, str):  # the drain time is over
+                    yield output
+                    return
                 if output.error:
                     yield sse(engine_error(output.error))
                     continue
@@ -577,7 +618,10 @@ class OpenAIServer:
                 yield chunk(index, {"role": "assistant", "content": ""})
             sent: dict[int, int] = {}
             final = None
-            async for output in self.stream_outputs(shared, 1, latest):
+            async for output in ending_on_shutdown(self.stream_outputs(shared, 1, latest)):
+                if isinstance(output, str):  # the drain time is over
+                    yield output
+                    return
                 if output.error:
                     yield sse(engine_error(output.error))
                     continue
@@ -628,6 +672,16 @@ class OpenAIServer:
                 for name, lora in self.lora_modules.items()
             ],
         }
+
+
+async def ending_on_shutdown(outputs):
+    """`outputs`, then, if the drain time ends them, the SSE error event and [DONE] as one
+    str: a client reads why its stream stopped instead of a cut connection."""
+    try:
+        async for output in outputs:
+            yield output
+    except ShuttingDown:
+        yield sse(shutting_down_error().body()) + sse("[DONE]")
 
 
 def usage_of(finals: list[RequestOutput]) -> dict:

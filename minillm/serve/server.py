@@ -40,6 +40,8 @@ from minillm.serve.rate_limit import RateLimiter
 DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from this machine only, unless asked
 DEFAULT_PORT = 8000
 DEFAULT_MAX_WAITING_REQUESTS = 256
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # how long running requests may go on after SIGTERM
+DRAIN_MARGIN_S = 2.0  # for the ended requests' last bytes, before uvicorn cuts connections
 
 
 @dataclass
@@ -189,6 +191,30 @@ class RunningServer:
         self.parts.close()
 
 
+def draining_server(parts: ServerApp, shutdown_timeout: float, **config):
+    """A uvicorn server whose shutdown (SIGTERM, Ctrl-C, `stop`) first tells the app to
+    drain: no new requests, `shutdown_timeout` seconds for those running, then each is ended
+    with OpenAI's error (an SSE error event and [DONE], or a 503). uvicorn's own cut comes
+    DRAIN_MARGIN_S later, so that the app's endings are sent first."""
+    import uvicorn
+
+    if isinstance(shutdown_timeout, bool) or not (
+        isinstance(shutdown_timeout, int | float) and 0 <= shutdown_timeout < float("inf")
+    ):
+        raise ValueError(f"shutdown_timeout must be a number >= 0, got {shutdown_timeout!r}")
+    api = parts.app.state.server
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            api.begin_drain(shutdown_timeout)
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(
+        parts.app, timeout_graceful_shutdown=shutdown_timeout + DRAIN_MARGIN_S, **config
+    )
+    return DrainingServer(config)
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -203,23 +229,20 @@ def start_server(
     host: str = DEFAULT_HOST,
     port: int = 0,
     log_level: str = "warning",
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     **options,
 ) -> RunningServer:
     """Serve `model` (see make_server_app; options go there) from a thread; returns once it
-    accepts connections. port 0 picks a free port (server.url tells which)."""
-    import uvicorn
-
+    accepts connections. port 0 picks a free port (server.url tells which).
+    shutdown_timeout: seconds running requests may go on once `stop` is called."""
     sock = bind_socket(host, port)  # first: a port in use fails before the model loads
     try:
         parts = make_server_app(model, **options)
+        server = draining_server(parts, shutdown_timeout, log_level=log_level, access_log=False)
     except BaseException:
         sock.close()
         raise
     parts.async_engine.start()
-    config = uvicorn.Config(
-        parts.app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False
-    )
-    server = uvicorn.Server(config)
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="minillm-http", daemon=True
     )
@@ -246,21 +269,30 @@ def run_server(model=None, **options) -> Iterator[RunningServer]:
 
 
 def serve_forever(
-    model=None, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_level="info", **options
+    model=None,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    log_level="info",
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    **options,
 ) -> None:
-    """Serve in the foreground until interrupted (what `minillm serve` runs)."""
-    import uvicorn
-
-    parts = make_server_app(model, **options)
-    parts.async_engine.start()
+    """Serve in the foreground until SIGTERM or Ctrl-C (what `minillm serve` runs); the
+    port is bound before the model loads, so that a port in use fails at once."""
+    sock = bind_socket(host, port)
     try:
-        print(f"minillm serve: {parts.served_model_name} on http://{host}:{port}", flush=True)
-        uvicorn.run(
-            parts.app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            timeout_graceful_shutdown=5,
-        )
+        parts = make_server_app(model, **options)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        server = draining_server(parts, shutdown_timeout, log_level=log_level)
+        parts.async_engine.start()
+        bound_host, bound_port = sock.getsockname()[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        url = f"http://{shown}:{bound_port}"
+        print(f"minillm serve: {parts.served_model_name} on {url}", flush=True)
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         parts.close()
