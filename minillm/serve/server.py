@@ -293,6 +293,8 @@ def serve_forever(
         url = f"http://{shown}:{bound_port}"
         print(f"minillm serve: {parts.served_model_name} on {url}", flush=True)
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down
+        pass
     finally:
         sock.close()
         parts.close()
