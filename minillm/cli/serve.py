@@ -44,7 +44,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1; repeat for several keys (with a rate "
+        "limit, each key has its own bucket)",
+    )
     p.add_argument("--served-model-name", default=None, help="the name clients use as model")
     p.add_argument(
         "--max-waiting-requests",

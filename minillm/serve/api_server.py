@@ -27,6 +27,7 @@ import json
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -231,6 +232,7 @@ class OpenAIServer:
         max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     ) -> None:
         self.rate_limiter = rate_limiter
+        self.keys_checked = False  # API keys checked by the app: a bucket per key
         self.max_request_body_bytes = max_request_body_bytes
         # adapters clients name as `model` (vLLM's --lora-modules), beside the base model
         self.lora_modules = dict(lora_modules or {})
@@ -301,7 +303,7 @@ class OpenAIServer:
         bucket, or answer 429 with Retry-After (no rate limit: None, always admitted)."""
         if self.rate_limiter is None:
             return None
-        key = rate_limit_key(request.headers.get("authorization", ""))
+        key = rate_limit_key(request.headers.get("authorization", ""), self.keys_checked)
         try:
             return self.rate_limiter.acquire(key, request_cost(ids_list, params_list))
         except RateLimited as err:
@@ -699,9 +701,24 @@ def request_cost(ids_list: list[list[int]], params_list: list[SamplingParams]) -
     return sum(len(ids) + p.n * p.max_tokens for ids, p in zip(ids_list, params_list, strict=True))
 
 
-def rate_limit_key(authorization: str) -> str:
-    """The bucket's key: the bearer token ("" without an Authorization header)."""
-    return authorization.removeprefix("Bearer ").strip()
+def rate_limit_key(authorization: str, per_key: bool) -> str:
+    """The bucket's key: the bearer token when the server checks API keys (per_key: a
+    client cannot make one up), else "": one bucket for every client, because a token
+    nobody checks would give each made-up key a full bucket."""
+    return authorization.removeprefix("Bearer ").strip() if per_key else ""
+
+
+def api_key_list(api_key: str | Sequence[str] | None) -> list[str] | None:
+    """One API key or several -> a list (None: no key is checked)."""
+    if api_key is None:
+        return None
+    keys = [api_key] if isinstance(api_key, str) else list(api_key)
+    if not keys or not all(isinstance(k, str) and k.strip() == k and k for k in keys):
+        raise ValueError(
+            f"api_key must be a non-empty str or a list of them, without spaces at the ends; "
+            f"got {api_key!r}"
+        )
+    return keys
 
 
 def rate_limited_error(err: RateLimited, limiter: RateLimiter, key: str) -> ApiError:
@@ -736,17 +753,22 @@ def engine_error(message: str) -> dict:
 
 
 class ApiKeyMiddleware:
-    """401 for /v1 routes without `Authorization: Bearer <api_key>` (/health and /metrics
-    stay open, as in vLLM). Plain ASGI, so that streaming and disconnects pass untouched."""
+    """401 for /v1 routes without `Authorization: Bearer <key>` for one of `api_keys`
+    (/health and /metrics stay open, as in vLLM). Plain ASGI, so that streaming and
+    disconnects pass untouched."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_keys: list[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+
+    def accepts(self, given: bytes) -> bool:
+        # every key compared in constant time, none skipped: the time tells nothing
+        return sum(hmac.compare_digest(given, key) for key in self.expected) > 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not self.accepts(given):
                 err = ApiError(
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                     status_code=401,
@@ -762,7 +784,7 @@ def build_app(
     served_model_name: str,
     metrics: ServerMetrics,
     chat_template: ChatTemplate | None = None,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     rate_limiter: RateLimiter | None = None,
     lora_modules: dict[str, LoRARequest] | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -798,8 +820,10 @@ def build_app(
         error = ApiError(message, 500, code="internal_error", type="server_error")
         return JSONResponse(error.body(), status_code=500)
 
-    if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    api_keys = api_key_list(api_key)
+    if api_keys is not None:
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
+        server.keys_checked = True
 
     @app.get("/health")
     async def health() -> Response:

@@ -19,8 +19,9 @@ TPM when the request arrives, and tells the state in `x-ratelimit-limit-tokens`,
 `x-ratelimit-remaining-tokens` and `x-ratelimit-reset-tokens` headers, which this server also
 sends on a 429. Gateways (Envoy, Kong, cloud API gateways) commonly limit requests, not
 tokens; an LLM server must count tokens, because one request may cost a thousand times
-another. Here the key is the bearer token of the Authorization header (no header: one
-shared anonymous bucket).
+another. Here the key is the bearer token of the Authorization header when the server
+checks API keys (`--api-key`, repeated for several clients); without keys, every client
+shares one bucket, since a bearer token nobody checks could be made up anew for each request.
 
 The buckets live in the memory of the process that keeps them. Kept in each of N replicas,
 they give a key N times its quota, so in a deployment with replicas the quota belongs in

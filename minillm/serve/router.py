@@ -40,7 +40,9 @@ repeats work); an answer from a replica, an error included, is passed on as it i
 
 Token quotas (`rate_limit_tokens_per_minute`, `--rate-limit-tokens-per-minute`) belong here,
 in front of the replicas: a bucket per key in each of N replicas lets a key spend N times
-its quota, one bucket per key in the router holds it for the whole deployment. The router
+its quota, one bucket per key in the router holds it for the whole deployment. The keys are
+the router's own `api_key` list, checked here (401 for any other); without keys there is one
+bucket for all clients, since a key nobody checks could be made up for each request. The router
 keeps the buckets of minillm.serve.rate_limit and charges what a replica would: it loads the
 model's tokenizer and chat template only (`tokenizer`: the bundled model by default; nothing
 is downloaded) and counts the prompt as the server does (`PromptReader`), plus n *
@@ -74,7 +76,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
 from minillm.serve.api_server import (
+    ApiKeyMiddleware,
     PromptReader,
+    api_key_list,
     rate_limit_key,
     rate_limited_error,
     request_cost,
@@ -339,6 +343,7 @@ class Router:
         rate_limiter: RateLimiter | None = None,
         tokenizer: str | None = None,
         max_model_len: int | None = None,
+        api_key: str | Sequence[str] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -368,6 +373,8 @@ class Router:
         self.failures_total = dict.fromkeys(self.replicas, 0)
         self.down_until = dict.fromkeys(self.replicas, 0.0)
         self._client = None
+        # checked here when given: then each key has its own bucket (else one for all)
+        self.api_keys = api_key_list(api_key)
         # token quotas for the whole deployment (see the module docstring)
         if rate_limiter is None and rate_limit_tokens_per_minute is not None:
             rate_limiter = RateLimiter(rate_limit_tokens_per_minute, rate_limit_burst_tokens)
@@ -427,7 +434,8 @@ class Router:
             counted = await asyncio.to_thread(prompt_and_cost, self.prompts, raw, path)
             if counted is not None:  # else the replica answers the 400, and nothing is taken
                 prompt_tokens, cost = counted
-                key = rate_limit_key(request.headers.get("authorization", ""))
+                authorization = request.headers.get("authorization", "")
+                key = rate_limit_key(authorization, self.api_keys is not None)
                 try:
                     reservation = self.rate_limiter.acquire(key, cost)
                 except RateLimited as err:
@@ -623,6 +631,8 @@ def build_router_app(router: Router):
         title="minillm router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
     )
     app.state.router = router
+    if router.api_keys is not None:
+        app.add_middleware(ApiKeyMiddleware, api_keys=router.api_keys)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
