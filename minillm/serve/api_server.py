@@ -441,8 +441,12 @@ class OpenAIServer:
             text = self.token_text(token_id)
             tokens.append(text)
             token_logprobs.append(alternatives.get(token_id))
+            # the k best and the sampled token, as OpenAI's legacy completions and vLLM send
+            # them (up to k + 1 entries)
             best = sorted(alternatives.items(), key=lambda item: -item[1])[:k]
-            top.append({self.token_text(t): lp for t, lp in best} if k else None)
+            if token_id not in dict(best) and token_id in alternatives:
+                best.append((token_id, alternatives[token_id]))
+            top.append({self.token_text(t): lp for t, lp in best})
             offsets.append(offset)
             offset += len(text)
         return {

@@ -241,3 +241,21 @@ def test_a_constraint_the_engine_cannot_serve_is_a_400(server, extra, param, wor
     error = response.json()["error"]
     assert error["param"] == (param or "structured_outputs")
     assert words in error["message"]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_completions_top_logprobs_hold_the_sampled_token(server, k):
+    """Sampling at a high temperature picks tokens outside the top k; each position's
+    top_logprobs still holds the sampled token with its own logprob, beside the k best."""
+    body = {"prompt": "x", "max_tokens": 12, "temperature": 5.0, "seed": 1, "logprobs": k}
+    logprobs = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    positions = zip(
+        logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+    )
+    outside = 0
+    for token, logprob, top in positions:
+        assert top[token] == logprob
+        assert max(k, 1) <= len(top) <= k + 1
+        outside += logprob < max(top.values())
+    if k:
+        assert outside > 0  # the case that matters was met: a sampled token past the top k
