@@ -75,6 +75,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "keys. With a rate limit, each key has its own bucket; without keys, one for all",
     )
     p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for a replica's answer (between two reads of a stream); past it, 504",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         metavar="MODEL_OR_PATH",
@@ -111,5 +117,6 @@ def _run(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         max_model_len=args.max_model_len,
         api_key=args.api_key,
+        timeout_s=args.request_timeout,
     )
     return 0

@@ -391,8 +391,11 @@ class Router:
     def is_up(self, replica: str) -> bool:
         return self.clock() >= self.down_until[replica]
 
-    def mark_down(self, replica: str) -> None:
-        self.failures_total[replica] += 1
+    def mark_down(self, replica: str, request_failed: bool = True) -> None:
+        """Skip `replica` for down_for_s; request_failed: a request's connection failed
+        (counted in minillm_router_connect_failures_total), not a health probe."""
+        if request_failed:
+            self.failures_total[replica] += 1
         self.down_until[replica] = self.clock() + self.down_for_s
 
     def choose(self, body: object, exclude: set[str] = frozenset()) -> str | None:
@@ -481,6 +484,18 @@ class Router:
                 self.outstanding[replica] -= 1
                 self.mark_down(replica)
                 continue
+            except httpx.TimeoutException:  # it took the request: a retry could run it twice
+                self.outstanding[replica] -= 1
+                if reservation is not None:
+                    reservation.settle(None)  # the replica may have spent it all
+                err = ApiError(
+                    f"the replica {replica} did not answer within {self.timeout_s:g} s "
+                    "(the router's timeout_s, --request-timeout)",
+                    504,
+                    code="replica_timeout",
+                    type="server_error",
+                )
+                return JSONResponse(err.body(), status_code=504)
             except BaseException:
                 self.outstanding[replica] -= 1
                 raise
@@ -517,7 +532,7 @@ class Router:
             try:
                 r = await self.client.get(replica + "/health", timeout=2.0)
             except httpx.HTTPError:
-                self.mark_down(replica)
+                self.mark_down(replica, request_failed=False)
                 return False
             if r.status_code == 200:
                 self.down_until[replica] = 0.0
