@@ -104,7 +104,8 @@ class RateLimited(Exception):
         if math.isinf(wait_s):
             text = (
                 f"Request too large on tokens per min (TPM): Limit {limit_per_minute:g}, "
-                f"burst {remaining:g}, Requested {requested}. Lower max_tokens or the prompt."
+                f"burst {remaining:g}, Requested {requested}. Lower max_tokens or the prompt "
+                "(without max_tokens a request reserves all that max_model_len leaves)."
             )
         else:
             text = (
