@@ -78,6 +78,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a larger request body is answered 413 unread (default: 8 MiB)",
     )
     p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="web origins (https://host:port, or *) whose pages may call the API from a "
+        "browser (CORS; default: none)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=None,
@@ -118,7 +126,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def server_options(args: argparse.Namespace) -> dict:
     """The server options given on the command line whose defaults live in the server."""
-    names = ("max_request_body_bytes", "shutdown_timeout")
+    names = ("max_request_body_bytes", "shutdown_timeout", "allowed_origins")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

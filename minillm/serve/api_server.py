@@ -282,6 +282,7 @@ class OpenAIServer:
         after it, so that a large body does not stall the other streams' event loop."""
         if self.draining:
             raise shutting_down_error()
+        check_json_content_type(request.headers.get("content-type", ""))
         return await asyncio.to_thread(parse_request, await self.read_body(request), model)
 
     def check_model(self, model: str | None) -> LoRARequest | None:
@@ -744,6 +745,19 @@ def settle(reservation: Reservation | None, outputs: list[RequestOutput] | None)
         reservation.settle(None if outputs is None else usage_of(outputs)["total_tokens"])
 
 
+def check_json_content_type(content_type: str) -> None:
+    """415 unless the body is declared JSON: a web page may make a browser send a
+    cross-origin text/plain POST without asking first, but never an application/json one."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise ApiError(
+            f"the request body must be JSON sent with 'Content-Type: application/json', got "
+            f"{content_type or 'no Content-Type'!r}",
+            415,
+            code="unsupported_media_type",
+        )
+
+
 def body_too_large(limit: int) -> ApiError:
     return ApiError(
         f"the request body is larger than this server's limit of {limit} bytes",
@@ -792,8 +806,11 @@ def build_app(
     rate_limiter: RateLimiter | None = None,
     lora_modules: dict[str, LoRARequest] | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    allowed_origins: Sequence[str] | None = None,
 ) -> FastAPI:
-    """The FastAPI app. `async_engine` must be started (and is not stopped by the app)."""
+    """The FastAPI app. `async_engine` must be started (and is not stopped by the app).
+    allowed_origins: web origins whose pages may call the API from a browser (CORS, vLLM's
+    --allowed-origins; "*" for any); None: no page of another origin may."""
     if isinstance(max_request_body_bytes, bool) or not (
         isinstance(max_request_body_bytes, int) and max_request_body_bytes >= 1
     ):
@@ -824,6 +841,15 @@ def build_app(
         error = ApiError(message, 500, code="internal_error", type="server_error")
         return JSONResponse(error.body(), status_code=500)
 
+    if allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+        )
     api_keys = api_key_list(api_key)
     if api_keys is not None:
         app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)

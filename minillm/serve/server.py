@@ -75,6 +75,7 @@ def make_server_app(
     rate_limiter: RateLimiter | None = None,
     lora_modules: dict[str, str] | list[str] | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    allowed_origins: list[str] | None = None,
     **engine_args,
 ) -> ServerApp:
     """The app for `model`: an `LLM`, an `LLMEngine`, or a model directory or bundled name
@@ -85,7 +86,8 @@ def make_server_app(
     RateLimiter made by the caller (one with a test clock) instead. lora_modules: adapters
     clients select by `model` ({name: path}, or vLLM's "name=path" strings), for an engine
     with enable_lora=True; each is loaded and checked now. max_request_body_bytes: a larger
-    body is answered 413 unread."""
+    body is answered 413 unread. allowed_origins: web origins allowed to call from a
+    browser (CORS; None: none)."""
     from minillm.llm import LLM
 
     if rate_limiter is None and rate_limit_tokens_per_minute is not None:
@@ -130,6 +132,7 @@ def make_server_app(
             rate_limiter,
             adapters,
             max_request_body_bytes,
+            allowed_origins,
         )
     except BaseException:
         if served_llm is not None:

@@ -73,7 +73,12 @@ def test_a_chunked_body_without_a_length_is_cut_at_the_limit(server):
             sent.append(512)
             yield b" " * 512
 
-    response = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=60)
+    response = httpx.post(
+        server.url + "/v1/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert "content-length" not in response.request.headers
     assert response.status_code == 413
     assert error_of(response)["code"] == "request_too_large"
@@ -208,3 +213,36 @@ def test_an_unexpected_exception_is_a_500_in_openai_json(server, monkeypatch):
     # the server goes on serving
     monkeypatch.undo()
     assert httpx.get(server.url + "/v1/models", timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_declared_json_is_a_415(server, content_type):
+    """A web page can make a browser send these across origins without a preflight."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    response = httpx.post(server.url + "/v1/completions", content=body, headers=headers)
+    assert response.status_code == 415
+    assert error_of(response)["code"] == "unsupported_media_type"
+    ok = post(
+        server, "/v1/completions", body, **{"content-type": "application/json; charset=utf-8"}
+    )
+    assert ok.status_code == 200
+
+
+def test_cors_answers_only_the_origins_allowed(llm):
+    preflight = {
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "content-type,authorization",
+    }
+    with run_server(llm, port=0, allowed_origins=["http://ui.local"]) as server:
+        url = server.url + "/v1/completions"
+        ok = httpx.options(url, headers={"origin": "http://ui.local", **preflight})
+        assert ok.status_code == 200
+        assert ok.headers["access-control-allow-origin"] == "http://ui.local"
+        other = httpx.options(url, headers={"origin": "http://evil.local", **preflight})
+        assert "access-control-allow-origin" not in other.headers
+    with run_server(llm, port=0) as server:  # by default no origin is allowed
+        response = httpx.options(
+            server.url + "/v1/completions", headers={"origin": "http://ui.local", **preflight}
+        )
+        assert "access-control-allow-origin" not in response.headers

@@ -237,7 +237,8 @@ def test_bad_bodies_get_the_replica_s_400_and_cost_nothing(llm, reference_llm):
             (json.dumps({"messages": []}).encode(), "/v1/chat/completions", "messages"),
             (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), "/v1/completions", None),
         ]:
-            r = httpx.post(router.url + path, content=raw, timeout=60)
+            headers = {"content-type": "application/json"}
+            r = httpx.post(router.url + path, content=raw, headers=headers, timeout=60)
             settled(router)
             assert r.status_code == 400, raw
             if param is not None:
