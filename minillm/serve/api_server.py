@@ -263,19 +263,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ checks
 
     async def read_body(self, request: Request) -> bytes:
-        """The request body, or 413 past max_request_body_bytes: the declared length is
-        checked first, and the read stops as soon as the limit is passed."""
-        limit = self.max_request_body_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise body_too_large(limit)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise body_too_large(limit)
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return await read_capped_body(request, self.max_request_body_bytes)
 
     async def parse(self, request: Request, model):
         """The body as a request object; parsed in a worker thread, like the tokenizing
@@ -743,6 +731,21 @@ def settle(reservation: Reservation | None, outputs: list[RequestOutput] | None)
     the outputs were read; the reservation is kept whole)."""
     if reservation is not None:
         reservation.settle(None if outputs is None else usage_of(outputs)["total_tokens"])
+
+
+async def read_capped_body(request: Request, limit: int) -> bytes:
+    """The request body, or 413 past `limit` bytes: the declared length is checked first,
+    and the read stops as soon as the limit is passed."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def check_json_content_type(content_type: str) -> None:

@@ -76,11 +76,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
 from minillm.serve.api_server import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
     ApiKeyMiddleware,
     PromptReader,
     api_key_list,
     rate_limit_key,
     rate_limited_error,
+    read_capped_body,
     request_cost,
 )
 from minillm.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
@@ -344,6 +346,7 @@ class Router:
         tokenizer: str | None = None,
         max_model_len: int | None = None,
         api_key: str | Sequence[str] | None = None,
+        max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -375,6 +378,7 @@ class Router:
         self._client = None
         # checked here when given: then each key has its own bucket (else one for all)
         self.api_keys = api_key_list(api_key)
+        self.max_request_body_bytes = max_request_body_bytes  # larger: 413, not forwarded
         # token quotas for the whole deployment (see the module docstring)
         if rate_limiter is None and rate_limit_tokens_per_minute is not None:
             rate_limiter = RateLimiter(rate_limit_tokens_per_minute, rate_limit_burst_tokens)
@@ -426,7 +430,10 @@ class Router:
         return self._client
 
     async def forward(self, request: Request, path: str) -> Response:
-        raw = await request.body()
+        try:
+            raw = await read_capped_body(request, self.max_request_body_bytes)
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status_code)
         body = await asyncio.to_thread(load_json, raw)
         headers = {
             k: v for k, v in request.headers.items() if k in ("content-type", "authorization")

@@ -1,7 +1,7 @@
-"""The router's edges: a replica that takes a request and never answers gets a 504 in
-OpenAI's JSON after the router's timeout (not a plain 500, and no retry that could run the
-request twice); a failed health probe marks a replica down without counting as a failed
-request."""
+"""The router's edges: a body past its limit is a 413 that no replica sees; a replica that
+takes a request and never answers gets a 504 in OpenAI's JSON after the router's timeout
+(not a plain 500, and no retry that could run the request twice); a failed health probe
+marks a replica down without counting as a failed request."""
 
 from __future__ import annotations
 
@@ -68,3 +68,13 @@ def test_a_failed_health_probe_is_not_a_connection_failure():
             if line.startswith("minillm_router_connect_failures_total{")
         )
         assert line.endswith(" 0.0") or line.endswith(" 0")
+
+
+def test_a_body_past_the_router_s_limit_is_a_413_and_never_forwarded(silent_replica):
+    url, held = silent_replica
+    with run_router([url], max_request_body_bytes=1000) as router:
+        body = {"prompt": "x" * 2000}
+        response = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 413
+        assert response.json()["error"]["code"] == "request_too_large"
+        assert held == []  # no replica saw it
