@@ -653,6 +653,14 @@ def build_router_app(router: Router):
         title="minillm router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
     )
     app.state.router = router
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, err: Exception) -> JSONResponse:
+        # a bug, not the client's fault: still OpenAI's JSON (the traceback goes to the log)
+        message = f"internal router error: {type(err).__name__}: {err}"
+        error = ApiError(message, 500, code="internal_error", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
     if router.api_keys is not None:
         app.add_middleware(ApiKeyMiddleware, api_keys=router.api_keys)
 

@@ -78,3 +78,17 @@ def test_a_body_past_the_router_s_limit_is_a_413_and_never_forwarded(silent_repl
         assert response.status_code == 413
         assert response.json()["error"]["code"] == "request_too_large"
         assert held == []  # no replica saw it
+
+
+def test_an_unexpected_router_error_is_a_500_in_openai_json(silent_replica, monkeypatch):
+    url, _ = silent_replica
+    with run_router([url]) as router:
+
+        async def broken(request, path):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(router.router, "forward", broken)
+        response = httpx.post(router.url + "/v1/completions", json={"prompt": "x"}, timeout=60)
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["type"] == "server_error" and "a bug" in error["message"]
