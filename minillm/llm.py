@@ -43,6 +43,18 @@ class LLM:
         self._lock = threading.RLock()  # one step, add or abort at a time
         # outputs not yet taken by the call that owns the request, by request id
         self._queues: dict[str, collections.deque[RequestOutput]] = {}
+        # what steps the engine instead of this object's calls (a server), if anything
+        self._served_by: str | None = None
+
+    def _hand_over(self, owner: str | None) -> None:
+        """Give the engine to `owner` (None: take it back). Two consumers stepping one engine
+        would each drop the other's outputs, so while an owner holds it, generate, stream and
+        beam_search raise, and it is refused while one of them has requests in flight."""
+        with self._lock:
+            if owner is not None and (self._served_by is not None or self._queues):
+                busy = self._served_by or f"{len(self._queues)} requests of this LLM in flight"
+                raise RuntimeError(f"this LLM cannot be served now: it is busy ({busy})")
+            self._served_by = owner
 
     def spec_decode_stats(self):
         """Speculative decoding's counters (`SpecDecodingStats`: num_drafts, num_draft_tokens,
@@ -151,6 +163,11 @@ class LLM:
         request_ids: list[str] = []
         loras = [None] * len(prompts) if lora_requests is None else lora_requests
         with self._lock:
+            if self._served_by is not None:
+                raise RuntimeError(
+                    f"this LLM is being served by {self._served_by}: stop the server before "
+                    "calling generate, stream or beam_search on it, or use a second LLM"
+                )
             try:
                 for prompt, params, priority, lora in zip(
                     prompts, params_list, priorities, loras, strict=True

@@ -37,7 +37,9 @@ LAYERS = {
     # the HTTP server: the engine and what it hands back, never the book's instruments
     "minillm.serve": ("minillm.engine", "minillm.core", "minillm.model", "minillm.outputs")
     + ("minillm.lora",)
-    + ("minillm.sampling_params", "minillm.llm"),
+    + ("minillm.sampling_params", "minillm.llm")
+    # response_format mapped onto constrained decoding; the vocabulary's longest token
+    + ("minillm.structured",),
     # LoRARequest (vLLM's vllm.lora.request): a plain value every layer may carry
     "minillm.lora": (),
     "kernels": (),

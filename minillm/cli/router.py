@@ -68,6 +68,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tokens a key may spend at once (default: a minute's worth)",
     )
     p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1, checked here; repeat for several "
+        "keys. With a rate limit, each key has its own bucket; without keys, one for all",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for a replica's answer (between two reads of a stream); past it, 504",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         metavar="MODEL_OR_PATH",
@@ -103,5 +116,7 @@ def _run(args: argparse.Namespace) -> int:
         rate_limit_burst_tokens=args.rate_limit_burst_tokens,
         tokenizer=args.tokenizer,
         max_model_len=args.max_model_len,
+        api_key=args.api_key,
+        timeout_s=args.request_timeout,
     )
     return 0

@@ -44,7 +44,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1; repeat for several keys (with a rate "
+        "limit, each key has its own bucket)",
+    )
     p.add_argument("--served-model-name", default=None, help="the name clients use as model")
     p.add_argument(
         "--max-waiting-requests",
@@ -64,6 +70,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help="tokens a key may spend at once (default: a minute's worth)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help="a larger request body is answered 413 unread (default: 8 MiB)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="web origins (https://host:port, or *) whose pages may call the API from a "
+        "browser (CORS; default: none)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        help="seconds running requests may go on after SIGTERM or Ctrl-C before they are "
+        "ended with an error (streams: an error event and [DONE]; default: 5)",
     )
     p.add_argument(
         "--lora-modules",
@@ -97,6 +124,12 @@ def engine_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def server_options(args: argparse.Namespace) -> dict:
+    """The server options given on the command line whose defaults live in the server."""
+    names = ("max_request_body_bytes", "shutdown_timeout", "allowed_origins")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 def _run(args: argparse.Namespace) -> int:
     from minillm.serve.server import serve_forever
 
@@ -111,6 +144,7 @@ def _run(args: argparse.Namespace) -> int:
         rate_limit_tokens_per_minute=args.rate_limit_tokens_per_minute,
         rate_limit_burst_tokens=args.rate_limit_burst_tokens,
         lora_modules=args.lora_modules,
+        **server_options(args),
         **engine_options(args),
     )
     return 0

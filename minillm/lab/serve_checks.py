@@ -255,10 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--model", default=None, help="the served name (default: the server's)")
+    p.add_argument("--api-key", default=None, help="for a server started with --api-key")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     result = check_server(
-        args.base_url, num_requests=args.num_requests, concurrency=args.concurrency
+        args.base_url,
+        args.model,
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        api_key=args.api_key,
     )
     for name in ("ttft", "e2el"):
         for a in result[name]:
@@ -266,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name} p{a['percentile']:g}: client {a['client_s'] * 1e3:.1f} ms, server "
                 f"{a['server_s'] * 1e3:.1f} ms, bucket {a['bucket_s']}, agree {a['agree']}"
             )
+    print(
+        "(the client's times also hold HTTP, JSON and tokenizing, which the server's histograms "
+        "start after: on a loaded machine the client's can sit a bucket above)"
+    )
     law = result["littles_law"]
     print(
         f"Little's law: L from the gauges {law['l_measured']:.2f}, lambda W from the counters "

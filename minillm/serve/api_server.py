@@ -26,6 +26,8 @@ import hmac
 import json
 import time
 import uuid
+import weakref
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,6 +46,11 @@ from minillm.serve.protocol import (
     value_error,
 )
 from minillm.serve.rate_limit import RateLimited, RateLimiter, Reservation
+from minillm.structured.grammar import token_bytes
+
+# the largest request body read (vLLM sets none): far above any prompt that fits a context
+# window, as text or as token ids, and small enough to parse in a fraction of a second
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 2**20
 
 SAMPLING_FIELDS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
 
@@ -63,19 +70,61 @@ class AbortingStream(StreamingResponse):
             self.on_close()
 
 
+class ShuttingDown(Exception):
+    """The server's drain time after SIGTERM is over: what still runs is ended."""
+
+
+def shutting_down_error() -> ApiError:
+    return ApiError(
+        "the server is shutting down: this request did not finish within its drain time; "
+        "retry on another replica",
+        503,
+        code="server_shutting_down",
+        type="server_error",
+        headers={"Retry-After": "1"},
+    )
+
+
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes of text one token can stand for: the longest vocabulary entry or
+    added token (a special token's text is matched whole)."""
+    vocab = [len(b) for b in token_bytes(tokenizer, tokenizer.vocab_size) if b]
+    added = [
+        len(token.content.encode())
+        for token in tokenizer.backend.get_added_tokens_decoder().values()
+    ]
+    return max(vocab + added + [1])
 
 
 class PromptReader:
     """A request body's prompt token ids and SamplingParams, as the server admits them: what
     needs only the tokenizer, the chat template and max_model_len, so that a router counts a
-    request's tokens exactly as the replica will (minillm.serve.router)."""
+    request's tokens exactly as the replica will (minillm.serve.router).
+
+    Its methods tokenize, so they run in a worker thread, never on the event loop; a text
+    longer than `max_prompt_bytes` is refused before it is tokenized: max_model_len tokens of
+    at most `longest_token_bytes` each cannot hold it, whatever the tokenizer makes of it."""
 
     def __init__(self, tokenizer, chat_template: ChatTemplate | None, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.max_model_len = max_model_len
+        self.max_prompt_bytes = max_model_len * longest_token_bytes(tokenizer)
+
+    def check_text_bytes(self, text: str, param: str) -> None:
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > self.max_prompt_bytes:
+            raise ApiError(
+                f"this model's maximum context length is {self.max_model_len} tokens, and the "
+                f"prompt's {size} bytes of text cannot fit in it (no token is longer than "
+                f"{self.max_prompt_bytes // self.max_model_len} bytes)",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def max_tokens_for(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
         """vLLM's rule: the prompt and max_tokens must fit in max_model_len together;
@@ -104,6 +153,8 @@ class PromptReader:
         return max_tokens  # a bad value is refused by SamplingParams, which names the field
 
     def prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            self.check_text_bytes(prompt, "prompt")
         try:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         except ValueError as err:
@@ -151,8 +202,11 @@ class PromptReader:
             text = self.chat_template.render(messages, body.add_generation_prompt)
         except ChatTemplateError as err:
             raise ApiError(str(err), param="messages") from None
-        # the template wrote the special tokens it wants (a BOS): add none of our own
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self.check_text_bytes(text, "messages")
+        try:  # the template wrote the special tokens it wants (a BOS): add none of our own
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as err:  # text that is not valid Unicode
+            raise ApiError(str(err), param="messages") from None
         if not ids:
             raise ApiError("the chat template rendered an empty prompt", param="messages")
         k = body.num_logprobs()
@@ -175,8 +229,11 @@ class OpenAIServer:
         chat_template: ChatTemplate | None,
         rate_limiter: RateLimiter | None = None,
         lora_modules: dict[str, LoRARequest] | None = None,
+        max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     ) -> None:
         self.rate_limiter = rate_limiter
+        self.keys_checked = False  # API keys checked by the app: a bucket per key
+        self.max_request_body_bytes = max_request_body_bytes
         # adapters clients name as `model` (vLLM's --lora-modules), beside the base model
         self.lora_modules = dict(lora_modules or {})
         self.async_engine = async_engine
@@ -187,8 +244,34 @@ class OpenAIServer:
         self.chat_template = chat_template
         self.prompts = PromptReader(self.tokenizer, chat_template, self.engine.max_model_len)
         self.created = int(time.time())
+        self.draining = False  # set on SIGTERM: new requests get a 503
+        # the queues of the requests running, to end them when the drain time is over
+        self.queues: weakref.WeakSet[asyncio.Queue] = weakref.WeakSet()
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Called on the event loop when the server starts to shut down: refuse new requests,
+        let running ones go on for `timeout_s` seconds, then end them (a stream with an error
+        event and [DONE], a non-streaming request with a 503)."""
+        self.draining = True
+
+        def end_running() -> None:
+            for shared in list(self.queues):
+                shared.put_nowait(ShuttingDown())  # raised by whoever reads the queue
+
+        asyncio.get_running_loop().call_later(timeout_s, end_running)
 
     # ------------------------------------------------------------------ checks
+
+    async def read_body(self, request: Request) -> bytes:
+        return await read_capped_body(request, self.max_request_body_bytes)
+
+    async def parse(self, request: Request, model):
+        """The body as a request object; parsed in a worker thread, like the tokenizing
+        after it, so that a large body does not stall the other streams' event loop."""
+        if self.draining:
+            raise shutting_down_error()
+        check_json_content_type(request.headers.get("content-type", ""))
+        return await asyncio.to_thread(parse_request, await self.read_body(request), model)
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter `model` names, None for the base model; 404 for another name."""
@@ -209,7 +292,7 @@ class OpenAIServer:
         bucket, or answer 429 with Retry-After (no rate limit: None, always admitted)."""
         if self.rate_limiter is None:
             return None
-        key = rate_limit_key(request.headers.get("authorization", ""))
+        key = rate_limit_key(request.headers.get("authorization", ""), self.keys_checked)
         try:
             return self.rate_limiter.acquire(key, request_cost(ids_list, params_list))
         except RateLimited as err:
@@ -231,6 +314,7 @@ class OpenAIServer:
         set when the API server hands a request to the engine): their TTFT and queueing
         time include the wait for the engine thread to take them, between two steps."""
         arrival_time = self.engine.clock()
+        self.queues.add(shared)
         request_ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
@@ -312,6 +396,9 @@ class OpenAIServer:
                 self.async_engine.abort(*request_ids)
         if not work.done() or work.cancelled():
             return None  # the client is gone; nobody reads an answer
+        if isinstance(work.exception(), ShuttingDown):
+            self.async_engine.abort(*request_ids)
+            raise shutting_down_error()
         if work.exception() is not None:
             raise ApiError(str(work.exception()), 503, code="engine_dead", type="server_error")
         for output in finals.values():
@@ -343,8 +430,12 @@ class OpenAIServer:
             text = self.token_text(token_id)
             tokens.append(text)
             token_logprobs.append(alternatives.get(token_id))
+            # the k best and the sampled token, as OpenAI's legacy completions and vLLM send
+            # them (up to k + 1 entries)
             best = sorted(alternatives.items(), key=lambda item: -item[1])[:k]
-            top.append({self.token_text(t): lp for t, lp in best} if k else None)
+            if token_id not in dict(best) and token_id in alternatives:
+                best.append((token_id, alternatives[token_id]))
+            top.append({self.token_text(t): lp for t, lp in best})
             offsets.append(offset)
             offset += len(text)
         return {
@@ -370,11 +461,11 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/completions
 
     async def completions(self, request: Request) -> Response:
-        body = parse_request(await request.body(), CompletionRequest)
+        body = await self.parse(request, CompletionRequest)
         lora_request = self.check_model(body.model)
         if body.echo and body.logprobs is not None:
             raise ApiError("echo together with logprobs is not supported", param="echo")
-        prompts, ids_list, params_list = self.prompts.completion(body)
+        prompts, ids_list, params_list = await asyncio.to_thread(self.prompts.completion, body)
         echoes = [
             (p if isinstance(p, str) else self.tokenizer.decode(p)) if body.echo else ""
             for p in prompts
@@ -382,8 +473,8 @@ class OpenAIServer:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         shared: asyncio.Queue = asyncio.Queue()
         reservation = self.admit(request, ids_list, params_list)
-        request_ids = await self.start_reserved(
-            request_id, prompts, params_list, shared, reservation, lora_request
+        request_ids = await self.start_reserved(  # token ids: the engine tokenizes nothing
+            request_id, ids_list, params_list, shared, reservation, lora_request
         )
         index_of = {r: i for i, r in enumerate(request_ids)}
         n, k = body.n, body.logprobs
@@ -421,7 +512,11 @@ class OpenAIServer:
             sent: dict[tuple[int, int], int] = {}  # (prompt, completion) -> tokens sent
             text_sent: dict[tuple[int, int], int] = {}
             finals: dict[str, RequestOutput] = {}
-            async for output in self.stream_outputs(shared, len(request_ids), latest):
+            outputs = self.stream_outputs(shared, len(request_ids), latest)
+            async for output in ending_on_shutdown(outputs):
+                if isinstance(output, str):  # the drain time is over
+                    yield output
+                    return
                 if output.error:
                     yield sse(engine_error(output.error))
                     continue
@@ -454,9 +549,9 @@ class OpenAIServer:
     # ------------------------------------------------------------------ /v1/chat/completions
 
     async def chat_completions(self, request: Request) -> Response:
-        body = parse_request(await request.body(), ChatCompletionRequest)
+        body = await self.parse(request, ChatCompletionRequest)
         lora_request = self.check_model(body.model)
-        ids, params = self.prompts.chat(body)
+        ids, params = await asyncio.to_thread(self.prompts.chat, body)
         k = body.num_logprobs()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         shared: asyncio.Queue = asyncio.Queue()
@@ -518,7 +613,10 @@ class OpenAIServer:
                 yield chunk(index, {"role": "assistant", "content": ""})
             sent: dict[int, int] = {}
             final = None
-            async for output in self.stream_outputs(shared, 1, latest):
+            async for output in ending_on_shutdown(self.stream_outputs(shared, 1, latest)):
+                if isinstance(output, str):  # the drain time is over
+                    yield output
+                    return
                 if output.error:
                     yield sse(engine_error(output.error))
                     continue
@@ -571,6 +669,16 @@ class OpenAIServer:
         }
 
 
+async def ending_on_shutdown(outputs):
+    """`outputs`, then, if the drain time ends them, the SSE error event and [DONE] as one
+    str: a client reads why its stream stopped instead of a cut connection."""
+    try:
+        async for output in outputs:
+            yield output
+    except ShuttingDown:
+        yield sse(shutting_down_error().body()) + sse("[DONE]")
+
+
 def usage_of(finals: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
@@ -586,9 +694,24 @@ def request_cost(ids_list: list[list[int]], params_list: list[SamplingParams]) -
     return sum(len(ids) + p.n * p.max_tokens for ids, p in zip(ids_list, params_list, strict=True))
 
 
-def rate_limit_key(authorization: str) -> str:
-    """The bucket's key: the bearer token ("" without an Authorization header)."""
-    return authorization.removeprefix("Bearer ").strip()
+def rate_limit_key(authorization: str, per_key: bool) -> str:
+    """The bucket's key: the bearer token when the server checks API keys (per_key: a
+    client cannot make one up), else "": one bucket for every client, because a token
+    nobody checks would give each made-up key a full bucket."""
+    return authorization.removeprefix("Bearer ").strip() if per_key else ""
+
+
+def api_key_list(api_key: str | Sequence[str] | None) -> list[str] | None:
+    """One API key or several -> a list (None: no key is checked)."""
+    if api_key is None:
+        return None
+    keys = [api_key] if isinstance(api_key, str) else list(api_key)
+    if not keys or not all(isinstance(k, str) and k.strip() == k and k for k in keys):
+        raise ValueError(
+            f"api_key must be a non-empty str or a list of them, without spaces at the ends; "
+            f"got {api_key!r}"
+        )
+    return keys
 
 
 def rate_limited_error(err: RateLimited, limiter: RateLimiter, key: str) -> ApiError:
@@ -610,22 +733,63 @@ def settle(reservation: Reservation | None, outputs: list[RequestOutput] | None)
         reservation.settle(None if outputs is None else usage_of(outputs)["total_tokens"])
 
 
+async def read_capped_body(request: Request, limit: int) -> bytes:
+    """The request body, or 413 past `limit` bytes: the declared length is checked first,
+    and the read stops as soon as the limit is passed."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_json_content_type(content_type: str) -> None:
+    """415 unless the body is declared JSON: a web page may make a browser send a
+    cross-origin text/plain POST without asking first, but never an application/json one."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise ApiError(
+            f"the request body must be JSON sent with 'Content-Type: application/json', got "
+            f"{content_type or 'no Content-Type'!r}",
+            415,
+            code="unsupported_media_type",
+        )
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(
+        f"the request body is larger than this server's limit of {limit} bytes",
+        status_code=413,
+        code="request_too_large",
+    )
+
+
 def engine_error(message: str) -> dict:
     return ApiError(message, 500, code="engine_error", type="server_error").body()
 
 
 class ApiKeyMiddleware:
-    """401 for /v1 routes without `Authorization: Bearer <api_key>` (/health and /metrics
-    stay open, as in vLLM). Plain ASGI, so that streaming and disconnects pass untouched."""
+    """401 for /v1 routes without `Authorization: Bearer <key>` for one of `api_keys`
+    (/health and /metrics stay open, as in vLLM). Plain ASGI, so that streaming and
+    disconnects pass untouched."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_keys: list[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+
+    def accepts(self, given: bytes) -> bool:
+        # every key compared in constant time, none skipped: the time tells nothing
+        return sum(hmac.compare_digest(given, key) for key in self.expected) > 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not self.accepts(given):
                 err = ApiError(
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                     status_code=401,
@@ -641,13 +805,29 @@ def build_app(
     served_model_name: str,
     metrics: ServerMetrics,
     chat_template: ChatTemplate | None = None,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     rate_limiter: RateLimiter | None = None,
     lora_modules: dict[str, LoRARequest] | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    allowed_origins: Sequence[str] | None = None,
 ) -> FastAPI:
-    """The FastAPI app. `async_engine` must be started (and is not stopped by the app)."""
+    """The FastAPI app. `async_engine` must be started (and is not stopped by the app).
+    allowed_origins: web origins whose pages may call the API from a browser (CORS, vLLM's
+    --allowed-origins; "*" for any); None: no page of another origin may."""
+    if isinstance(max_request_body_bytes, bool) or not (
+        isinstance(max_request_body_bytes, int) and max_request_body_bytes >= 1
+    ):
+        raise ValueError(
+            f"max_request_body_bytes must be an int >= 1, got {max_request_body_bytes!r}"
+        )
     server = OpenAIServer(
-        async_engine, served_model_name, metrics, chat_template, rate_limiter, lora_modules
+        async_engine,
+        served_model_name,
+        metrics,
+        chat_template,
+        rate_limiter,
+        lora_modules,
+        max_request_body_bytes,
     )
     app = FastAPI(title="minillm", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -656,8 +836,27 @@ def build_app(
     async def api_error(request: Request, err: ApiError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
 
-    if api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, err: Exception) -> JSONResponse:
+        # a bug, not the client's fault: still OpenAI's JSON, so that clients parse it (the
+        # traceback goes to the server's log)
+        message = f"internal server error: {type(err).__name__}: {err}"
+        error = ApiError(message, 500, code="internal_error", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    if allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+        )
+    api_keys = api_key_list(api_key)
+    if api_keys is not None:
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
+        server.keys_checked = True
 
     @app.get("/health")
     async def health() -> Response:

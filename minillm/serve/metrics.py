@@ -11,6 +11,11 @@ dashboard, an alert or a PromQL query written for vLLM reads `minillm serve` unc
     vllm:request_queue_time_seconds     histogram  arrival -> first scheduled
     vllm:request_prompt_tokens          histogram  prompt tokens per finished request
     vllm:request_generation_tokens      histogram  output tokens per finished request
+    vllm:request_prefill_time_seconds   histogram  first scheduled -> first token
+    vllm:request_decode_time_seconds    histogram  first token -> last token
+    vllm:request_inference_time_seconds histogram  first scheduled -> last token
+    vllm:request_max_num_generation_tokens  histogram  the longest completion's tokens
+    vllm:request_params_n               histogram  n of each finished request
     vllm:prompt_tokens_total            counter    prompt tokens of requests that prefilled
     vllm:generation_tokens_total        counter    output tokens sampled
     vllm:request_success_total          counter    finished requests, by finished_reason
@@ -50,6 +55,9 @@ REQUEST_LATENCY_BUCKETS_S = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+
+
+N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
 
 
 def buckets_1_2_5(limit: int) -> list[int]:
@@ -128,7 +136,32 @@ class ServerMetrics:
             "Time a request waited before it was first scheduled (s).",
             REQUEST_LATENCY_BUCKETS_S,
         )
+        # the phases of a finished request, as vLLM's dashboard charts them: prefill from
+        # first scheduled to first token, decode from first token to last, inference both
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Time from first scheduled to the first token, per finished request (s).",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Time from the first token to the last, per finished request (s).",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Time from first scheduled to the last token, per finished request (s).",
+            REQUEST_LATENCY_BUCKETS_S,
+        )
         token_buckets = buckets_1_2_5(engine.max_model_len)
+        self.max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "The most output tokens of one completion, per finished request.",
+            token_buckets,
+        )
+        self.params_n = histogram(
+            "vllm:request_params_n", "Completions asked for (n), per finished request.", N_BUCKETS
+        )
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Prompt tokens per finished request.", token_buckets
         )
@@ -174,6 +207,14 @@ class ServerMetrics:
             self.tpot.observe(m.tpot_s)
         if m.queueing_time_s is not None:
             self.queue_time.observe(m.queueing_time_s)
+        times = m.token_times
+        if m.first_scheduled_time is not None and times:
+            self.prefill_time.observe(times[0] - m.first_scheduled_time)
+            self.decode_time.observe(times[-1] - times[0])
+            self.inference_time.observe(times[-1] - m.first_scheduled_time)
+        longest = max((len(c.token_ids) for c in output.outputs), default=0)
+        self.max_generation_tokens.observe(longest)
+        self.params_n.observe(len(output.outputs))
         self.request_prompt_tokens.observe(len(output.prompt_token_ids))
         self.request_generation_tokens.observe(num_tokens)
         reasons = {c.finish_reason for c in output.outputs}

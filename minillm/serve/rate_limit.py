@@ -19,8 +19,9 @@ TPM when the request arrives, and tells the state in `x-ratelimit-limit-tokens`,
 `x-ratelimit-remaining-tokens` and `x-ratelimit-reset-tokens` headers, which this server also
 sends on a 429. Gateways (Envoy, Kong, cloud API gateways) commonly limit requests, not
 tokens; an LLM server must count tokens, because one request may cost a thousand times
-another. Here the key is the bearer token of the Authorization header (no header: one
-shared anonymous bucket).
+another. Here the key is the bearer token of the Authorization header when the server
+checks API keys (`--api-key`, repeated for several clients); without keys, every client
+shares one bucket, since a bearer token nobody checks could be made up anew for each request.
 
 The buckets live in the memory of the process that keeps them. Kept in each of N replicas,
 they give a key N times its quota, so in a deployment with replicas the quota belongs in
@@ -103,7 +104,8 @@ class RateLimited(Exception):
         if math.isinf(wait_s):
             text = (
                 f"Request too large on tokens per min (TPM): Limit {limit_per_minute:g}, "
-                f"burst {remaining:g}, Requested {requested}. Lower max_tokens or the prompt."
+                f"burst {remaining:g}, Requested {requested}. Lower max_tokens or the prompt "
+                "(without max_tokens a request reserves all that max_model_len leaves)."
             )
         else:
             text = (

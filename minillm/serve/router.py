@@ -40,7 +40,9 @@ repeats work); an answer from a replica, an error included, is passed on as it i
 
 Token quotas (`rate_limit_tokens_per_minute`, `--rate-limit-tokens-per-minute`) belong here,
 in front of the replicas: a bucket per key in each of N replicas lets a key spend N times
-its quota, one bucket per key in the router holds it for the whole deployment. The router
+its quota, one bucket per key in the router holds it for the whole deployment. The keys are
+the router's own `api_key` list, checked here (401 for any other); without keys there is one
+bucket for all clients, since a key nobody checks could be made up for each request. The router
 keeps the buckets of minillm.serve.rate_limit and charges what a replica would: it loads the
 model's tokenizer and chat template only (`tokenizer`: the bundled model by default; nothing
 is downloaded) and counts the prompt as the server does (`PromptReader`), plus n *
@@ -74,9 +76,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
 from minillm.serve.api_server import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ApiKeyMiddleware,
     PromptReader,
+    api_key_list,
     rate_limit_key,
     rate_limited_error,
+    read_capped_body,
     request_cost,
 )
 from minillm.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_request
@@ -219,6 +225,14 @@ def load_prompt_reader(model: str | None = None, max_model_len: int | None = Non
     return PromptReader(loaded.tokenizer, ChatTemplate.from_model_dir(loaded.path), limit)
 
 
+def load_json(raw: bytes) -> object:
+    """The body's JSON, None when it is not JSON (the replica answers the 400)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
 def prompt_and_cost(reader: PromptReader, raw: bytes, path: str) -> tuple[int, int] | None:
     """(prompt tokens, tokens to reserve) of a request body, counted as the replica counts
     them; None when the replica will refuse the body (not JSON, a field missing or wrong)."""
@@ -331,6 +345,8 @@ class Router:
         rate_limiter: RateLimiter | None = None,
         tokenizer: str | None = None,
         max_model_len: int | None = None,
+        api_key: str | Sequence[str] | None = None,
+        max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -360,6 +376,9 @@ class Router:
         self.failures_total = dict.fromkeys(self.replicas, 0)
         self.down_until = dict.fromkeys(self.replicas, 0.0)
         self._client = None
+        # checked here when given: then each key has its own bucket (else one for all)
+        self.api_keys = api_key_list(api_key)
+        self.max_request_body_bytes = max_request_body_bytes  # larger: 413, not forwarded
         # token quotas for the whole deployment (see the module docstring)
         if rate_limiter is None and rate_limit_tokens_per_minute is not None:
             rate_limiter = RateLimiter(rate_limit_tokens_per_minute, rate_limit_burst_tokens)
@@ -376,8 +395,11 @@ class Router:
     def is_up(self, replica: str) -> bool:
         return self.clock() >= self.down_until[replica]
 
-    def mark_down(self, replica: str) -> None:
-        self.failures_total[replica] += 1
+    def mark_down(self, replica: str, request_failed: bool = True) -> None:
+        """Skip `replica` for down_for_s; request_failed: a request's connection failed
+        (counted in minillm_router_connect_failures_total), not a health probe."""
+        if request_failed:
+            self.failures_total[replica] += 1
         self.down_until[replica] = self.clock() + self.down_for_s
 
     def choose(self, body: object, exclude: set[str] = frozenset()) -> str | None:
@@ -408,20 +430,22 @@ class Router:
         return self._client
 
     async def forward(self, request: Request, path: str) -> Response:
-        raw = await request.body()
         try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None  # the replica answers the 400
+            raw = await read_capped_body(request, self.max_request_body_bytes)
+        except ApiError as err:
+            return JSONResponse(err.body(), status_code=err.status_code)
+        body = await asyncio.to_thread(load_json, raw)
         headers = {
             k: v for k, v in request.headers.items() if k in ("content-type", "authorization")
         }
         reservation, prompt_tokens = None, 0
         if self.rate_limiter is not None:
-            counted = prompt_and_cost(self.prompts, raw, path)
+            # tokenizing in a worker thread: a long prompt does not stall the other streams
+            counted = await asyncio.to_thread(prompt_and_cost, self.prompts, raw, path)
             if counted is not None:  # else the replica answers the 400, and nothing is taken
                 prompt_tokens, cost = counted
-                key = rate_limit_key(request.headers.get("authorization", ""))
+                authorization = request.headers.get("authorization", "")
+                key = rate_limit_key(authorization, self.api_keys is not None)
                 try:
                     reservation = self.rate_limiter.acquire(key, cost)
                 except RateLimited as err:
@@ -467,6 +491,18 @@ class Router:
                 self.outstanding[replica] -= 1
                 self.mark_down(replica)
                 continue
+            except httpx.TimeoutException:  # it took the request: a retry could run it twice
+                self.outstanding[replica] -= 1
+                if reservation is not None:
+                    reservation.settle(None)  # the replica may have spent it all
+                err = ApiError(
+                    f"the replica {replica} did not answer within {self.timeout_s:g} s "
+                    "(the router's timeout_s, --request-timeout)",
+                    504,
+                    code="replica_timeout",
+                    type="server_error",
+                )
+                return JSONResponse(err.body(), status_code=504)
             except BaseException:
                 self.outstanding[replica] -= 1
                 raise
@@ -503,7 +539,7 @@ class Router:
             try:
                 r = await self.client.get(replica + "/health", timeout=2.0)
             except httpx.HTTPError:
-                self.mark_down(replica)
+                self.mark_down(replica, request_failed=False)
                 return False
             if r.status_code == 200:
                 self.down_until[replica] = 0.0
@@ -617,6 +653,16 @@ def build_router_app(router: Router):
         title="minillm router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
     )
     app.state.router = router
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, err: Exception) -> JSONResponse:
+        # a bug, not the client's fault: still OpenAI's JSON (the traceback goes to the log)
+        message = f"internal router error: {type(err).__name__}: {err}"
+        error = ApiError(message, 500, code="internal_error", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    if router.api_keys is not None:
+        app.add_middleware(ApiKeyMiddleware, api_keys=router.api_keys)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

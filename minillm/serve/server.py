@@ -13,7 +13,8 @@ stops it at the end of the block:
         #   --base-url server.url, or httpx.get(server.url + "/metrics")
 
 `start_server` does the same without the block; `server.stop()` ends it. While a server
-runs, it owns its engine: do not call `llm.generate` on the same `LLM` until it is stopped.
+runs, it owns its engine: `llm.generate`, `llm.stream` and `llm.beam_search` on the same `LLM`
+raise RuntimeError until it is stopped (two consumers would each lose the other's outputs).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from minillm.engine.args import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.lora.request import LoRARequest
 from minillm.model.loader import DEFAULT_MODEL
-from minillm.serve.api_server import build_app
+from minillm.serve.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, build_app
 from minillm.serve.async_engine import AsyncEngine
 from minillm.serve.chat_template import ChatTemplate
 from minillm.serve.metrics import ServerMetrics
@@ -39,6 +40,8 @@ from minillm.serve.rate_limit import RateLimiter
 DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from this machine only, unless asked
 DEFAULT_PORT = 8000
 DEFAULT_MAX_WAITING_REQUESTS = 256
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # how long running requests may go on after SIGTERM
+DRAIN_MARGIN_S = 2.0  # for the ended requests' last bytes, before uvicorn cuts connections
 
 
 @dataclass
@@ -51,9 +54,12 @@ class ServerApp:
     metrics: ServerMetrics
     served_model_name: str
     owns_engine: bool  # made here from a model name: shut down with the server
+    llm: object = None  # the LLM served, if one was given: handed back on close
 
     def close(self) -> None:
         self.async_engine.shutdown()
+        if self.llm is not None:
+            self.llm._hand_over(None)
         if self.owns_engine:
             self.engine.shutdown()
 
@@ -68,6 +74,8 @@ def make_server_app(
     rate_limit_burst_tokens: float | None = None,
     rate_limiter: RateLimiter | None = None,
     lora_modules: dict[str, str] | list[str] | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    allowed_origins: list[str] | None = None,
     **engine_args,
 ) -> ServerApp:
     """The app for `model`: an `LLM`, an `LLMEngine`, or a model directory or bundled name
@@ -77,7 +85,9 @@ def make_server_app(
     holding rate_limit_burst_tokens at most (default: a minute's worth); rate_limiter: a
     RateLimiter made by the caller (one with a test clock) instead. lora_modules: adapters
     clients select by `model` ({name: path}, or vLLM's "name=path" strings), for an engine
-    with enable_lora=True; each is loaded and checked now."""
+    with enable_lora=True; each is loaded and checked now. max_request_body_bytes: a larger
+    body is answered 413 unread. allowed_origins: web origins allowed to call from a
+    browser (CORS; None: none)."""
     from minillm.llm import LLM
 
     if rate_limiter is None and rate_limit_tokens_per_minute is not None:
@@ -106,11 +116,29 @@ def make_server_app(
         raise ValueError("lora_modules need an engine with enable_lora=True (--enable-lora)")
     for lora in adapters.values():
         engine.lora_manager.add_lora(lora)  # a bad adapter fails now, not at a request
-    metrics = ServerMetrics(engine, name)
-    async_engine = AsyncEngine(engine, max_waiting_requests, metrics.observe, lock)
-    chat_template = ChatTemplate.from_model_dir(engine.tokenizer.path.parent)
-    app = build_app(async_engine, name, metrics, chat_template, api_key, rate_limiter, adapters)
-    return ServerApp(app, engine, async_engine, metrics, name, owns_engine)
+    served_llm = model if isinstance(model, LLM) else None
+    if served_llm is not None:  # its generate and stream raise until the server is closed
+        served_llm._hand_over(f"the minillm server {name!r}")
+    try:
+        metrics = ServerMetrics(engine, name)
+        async_engine = AsyncEngine(engine, max_waiting_requests, metrics.observe, lock)
+        chat_template = ChatTemplate.from_model_dir(engine.tokenizer.path.parent)
+        app = build_app(
+            async_engine,
+            name,
+            metrics,
+            chat_template,
+            api_key,
+            rate_limiter,
+            adapters,
+            max_request_body_bytes,
+            allowed_origins,
+        )
+    except BaseException:
+        if served_llm is not None:
+            served_llm._hand_over(None)
+        raise
+    return ServerApp(app, engine, async_engine, metrics, name, owns_engine, served_llm)
 
 
 def lora_module_requests(
@@ -166,6 +194,30 @@ class RunningServer:
         self.parts.close()
 
 
+def draining_server(parts: ServerApp, shutdown_timeout: float, **config):
+    """A uvicorn server whose shutdown (SIGTERM, Ctrl-C, `stop`) first tells the app to
+    drain: no new requests, `shutdown_timeout` seconds for those running, then each is ended
+    with OpenAI's error (an SSE error event and [DONE], or a 503). uvicorn's own cut comes
+    DRAIN_MARGIN_S later, so that the app's endings are sent first."""
+    import uvicorn
+
+    if isinstance(shutdown_timeout, bool) or not (
+        isinstance(shutdown_timeout, int | float) and 0 <= shutdown_timeout < float("inf")
+    ):
+        raise ValueError(f"shutdown_timeout must be a number >= 0, got {shutdown_timeout!r}")
+    api = parts.app.state.server
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            api.begin_drain(shutdown_timeout)
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(
+        parts.app, timeout_graceful_shutdown=shutdown_timeout + DRAIN_MARGIN_S, **config
+    )
+    return DrainingServer(config)
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -180,23 +232,20 @@ def start_server(
     host: str = DEFAULT_HOST,
     port: int = 0,
     log_level: str = "warning",
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     **options,
 ) -> RunningServer:
     """Serve `model` (see make_server_app; options go there) from a thread; returns once it
-    accepts connections. port 0 picks a free port (server.url tells which)."""
-    import uvicorn
-
+    accepts connections. port 0 picks a free port (server.url tells which).
+    shutdown_timeout: seconds running requests may go on once `stop` is called."""
     sock = bind_socket(host, port)  # first: a port in use fails before the model loads
     try:
         parts = make_server_app(model, **options)
+        server = draining_server(parts, shutdown_timeout, log_level=log_level, access_log=False)
     except BaseException:
         sock.close()
         raise
     parts.async_engine.start()
-    config = uvicorn.Config(
-        parts.app, log_level=log_level, timeout_graceful_shutdown=5, access_log=False
-    )
-    server = uvicorn.Server(config)
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="minillm-http", daemon=True
     )
@@ -223,21 +272,32 @@ def run_server(model=None, **options) -> Iterator[RunningServer]:
 
 
 def serve_forever(
-    model=None, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, log_level="info", **options
+    model=None,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    log_level="info",
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    **options,
 ) -> None:
-    """Serve in the foreground until interrupted (what `minillm serve` runs)."""
-    import uvicorn
-
-    parts = make_server_app(model, **options)
-    parts.async_engine.start()
+    """Serve in the foreground until SIGTERM or Ctrl-C (what `minillm serve` runs); the
+    port is bound before the model loads, so that a port in use fails at once."""
+    sock = bind_socket(host, port)
     try:
-        print(f"minillm serve: {parts.served_model_name} on http://{host}:{port}", flush=True)
-        uvicorn.run(
-            parts.app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            timeout_graceful_shutdown=5,
-        )
+        parts = make_server_app(model, **options)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        server = draining_server(parts, shutdown_timeout, log_level=log_level)
+        parts.async_engine.start()
+        bound_host, bound_port = sock.getsockname()[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        url = f"http://{shown}:{bound_port}"
+        print(f"minillm serve: {parts.served_model_name} on {url}", flush=True)
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down
+        pass
     finally:
+        sock.close()
         parts.close()

@@ -89,3 +89,14 @@ def test_on_a_live_server_the_counts_match_and_littles_law_holds_roughly():
     assert law["finished"] == 9
     # about 3 requests in the server the whole time, by either side of L = lambda W
     assert 0.25 < law["ratio"] < 4
+
+
+def test_the_command_checks_a_server_that_wants_an_api_key(capsys):
+    from minillm.serve import run_server
+
+    llm = LLM(max_model_len=128, max_num_seqs=4)
+    with run_server(llm, port=0, api_key="k", served_model_name="m") as server:
+        argv = ["--base-url", server.url, "--num-requests", "2", "--concurrency", "1"]
+        assert sc.main([*argv, "--api-key", "k", "--model", "m"]) == 0
+    out = capsys.readouterr().out
+    assert "ttft p50" in out and "Little's law" in out

@@ -13,8 +13,10 @@ from minillm.serve import run_server
 
 
 @pytest.fixture(scope="module")
-def server(llm):
-    with run_server(llm, port=0) as server:
+def server(reference_llm):
+    """On the second engine: the tests below start servers of their own on `llm`, and an
+    LLM is served by one server at a time."""
+    with run_server(reference_llm, port=0) as server:
         yield server
 
 

@@ -146,7 +146,7 @@ def test_burst_gets_the_right_number_of_200s_and_429s_and_an_honest_retry_after(
     clock = FakeClock()
     # 60 tokens per minute: one token a second; room for 3 requests and half of a fourth
     limiter = RateLimiter(60, burst_tokens=3 * cost + cost // 2, clock=clock)
-    with run_server(llm, port=0, rate_limiter=limiter) as server:
+    with run_server(llm, port=0, rate_limiter=limiter, api_key=["tenant-a", "b"]) as server:
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
@@ -187,7 +187,11 @@ def test_burst_gets_the_right_number_of_200s_and_429s_and_an_honest_retry_after(
         clock.now = missing  # as told: admitted
         assert retry().status_code == 200
 
-        too_large = httpx.post(server.url + "/v1/completions", json=body(max_tokens=200))
+        too_large = httpx.post(
+            server.url + "/v1/completions",
+            json=body(max_tokens=200),
+            headers={"Authorization": "Bearer b"},
+        )
         assert too_large.status_code == 429 and "Retry-After" not in too_large.headers
 
 
@@ -223,3 +227,38 @@ def test_serve_command_line_takes_the_rate_limit_options():
     assert (args.rate_limit_tokens_per_minute, args.rate_limit_burst_tokens) == (600.0, 50.0)
     with pytest.raises(ValueError, match="rate_limit_tokens_per_minute"):
         make_server_app("no-such-model", rate_limit_burst_tokens=10)
+
+
+def test_without_api_keys_every_client_shares_one_bucket(llm):
+    """A bearer token nobody checks cannot buy a fresh bucket: made-up keys draw on one."""
+    cost = len(llm.engine.tokenizer.encode(PROMPT)) + MAX_TOKENS
+    limiter = RateLimiter(60, burst_tokens=2 * cost, clock=FakeClock())
+    with run_server(llm, port=0, rate_limiter=limiter) as server:
+        codes = [
+            httpx.post(
+                server.url + "/v1/completions",
+                json=body(ignore_eos=True),
+                headers={"Authorization": f"Bearer made-up-{i}"},
+            ).status_code
+            for i in range(4)
+        ]
+    assert codes == [200, 200, 429, 429]
+
+
+def test_each_of_several_api_keys_has_its_own_bucket_and_others_are_refused(llm):
+    cost = len(llm.engine.tokenizer.encode(PROMPT)) + MAX_TOKENS
+    limiter = RateLimiter(60, burst_tokens=cost, clock=FakeClock())
+    with run_server(llm, port=0, rate_limiter=limiter, api_key=["k1", "k2"]) as server:
+
+        def post(key: str) -> int:
+            headers = {"Authorization": f"Bearer {key}"}
+            url = server.url + "/v1/completions"
+            return httpx.post(url, json=body(ignore_eos=True), headers=headers).status_code
+
+        assert [post("k1"), post("k1"), post("k2"), post("k2"), post("k3")] == [
+            200,
+            429,
+            200,
+            429,
+            401,
+        ]

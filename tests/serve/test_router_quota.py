@@ -36,17 +36,23 @@ class FakeClock:
         return self.now
 
 
+KEYS = ["tenant-a", "tenant-b", "tenant", "t0"]
+
+
 def limiter(burst: int) -> RateLimiter:
     """60 tokens per minute (one a second) on a clock that never moves."""
     return RateLimiter(60, burst_tokens=burst, clock=FakeClock())
 
 
 @contextlib.contextmanager
-def deployment(llm, reference_llm, rate_limiter: RateLimiter):
-    """Two replicas behind a round-robin router that keeps the quota."""
+def deployment(llm, reference_llm, rate_limiter: RateLimiter, api_key=KEYS):
+    """Two replicas behind a round-robin router that keeps the quota and checks the keys."""
     with run_server(llm, port=0) as a, run_server(reference_llm, port=0) as b:
         with run_router(
-            [a.url, b.url], rate_limiter=rate_limiter, max_model_len=MAX_MODEL_LEN
+            [a.url, b.url],
+            rate_limiter=rate_limiter,
+            max_model_len=MAX_MODEL_LEN,
+            api_key=api_key,
         ) as router:
             yield router, (a, b)
 
@@ -74,7 +80,7 @@ def settled(router) -> None:
         time.sleep(0.01)
 
 
-def post(router, body: dict, key: str | None = None, path="/v1/completions") -> httpx.Response:
+def post(router, body: dict, key: str | None = "t0", path="/v1/completions") -> httpx.Response:
     headers = {} if key is None else {"Authorization": f"Bearer {key}"}
     response = httpx.post(router.url + path, json=body, headers=headers, timeout=60)
     settled(router)
@@ -121,11 +127,25 @@ def test_a_key_gets_its_quota_once_behind_two_replicas_not_twice(llm, reference_
         # another key has its own bucket; tenant-a's is still empty
         assert post(router, body, "tenant-b").status_code == 200
         assert post(router, body, "tenant-a").status_code == 429
-        # no Authorization header: one anonymous bucket, whichever replica serves
-        codes = [post(router, body).status_code for _ in range(4)]
+        # a key the router does not know: 401, and no bucket
+        assert post(router, body, "made-up").status_code == 401
+        assert post(router, body, None).status_code == 401
+        assert sum(finished_requests(s) for s in replicas) == 3 + 1
+
+
+def test_without_keys_the_router_keeps_one_bucket_for_every_client(llm, reference_llm):
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    cost = num_tokens(llm, PROMPT) + 4
+    burst = 3 * cost + cost // 2
+    quota = limiter(burst)
+    with deployment(llm, reference_llm, quota, api_key=None) as (router, replicas):
+        # made-up keys, or none, draw on one bucket, whichever replica serves
+        codes = [
+            post(router, body, None if i == 0 else f"made-up-{i}").status_code for i in range(4)
+        ]
         assert codes == [200, 200, 200, 429]
         assert quota.remaining("") == burst - 3 * cost
-        assert sum(finished_requests(s) for s in replicas) == 3 + 1 + 3
+        assert sum(finished_requests(s) for s in replicas) == 3
 
 
 @pytest.mark.parametrize("stream", ["no", "with usage", "without usage"])
@@ -209,7 +229,7 @@ def test_the_router_charges_what_a_replica_s_limiter_charges(llm, path, body):
 
 def test_bad_bodies_get_the_replica_s_400_and_cost_nothing(llm, reference_llm):
     quota = limiter(1000)
-    with deployment(llm, reference_llm, quota) as (router, _):
+    with deployment(llm, reference_llm, quota, api_key=None) as (router, _):
         for raw, path, param in [
             (b"{not json", "/v1/completions", None),
             (json.dumps({"max_tokens": 5}).encode(), "/v1/completions", "prompt"),
@@ -217,7 +237,8 @@ def test_bad_bodies_get_the_replica_s_400_and_cost_nothing(llm, reference_llm):
             (json.dumps({"messages": []}).encode(), "/v1/chat/completions", "messages"),
             (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), "/v1/completions", None),
         ]:
-            r = httpx.post(router.url + path, content=raw, timeout=60)
+            headers = {"content-type": "application/json"}
+            r = httpx.post(router.url + path, content=raw, headers=headers, timeout=60)
             settled(router)
             assert r.status_code == 400, raw
             if param is not None:
@@ -249,7 +270,7 @@ def test_a_stream_the_client_leaves_keeps_only_what_was_streamed(llm, reference_
     max_tokens = MAX_MODEL_LEN - num_prompt
     body = {"prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     quota = limiter(1000)
-    with deployment(llm, reference_llm, quota) as (router, _):
+    with deployment(llm, reference_llm, quota, api_key=None) as (router, _):
         with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
             read = 0
             for line in r.iter_lines():

@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from minillm.cli.main import build_parser, main
 from minillm.cli.serve import engine_options
@@ -82,3 +83,18 @@ def test_the_command_serves_on_loopback_until_interrupted():
         out, err = process.communicate(timeout=60)
     assert process.returncode == 0, err.decode()
     assert f"http://127.0.0.1:{port}" in out.decode()
+
+
+def test_a_port_in_use_fails_before_the_model_loads(monkeypatch):
+    from minillm.serve import server as server_module
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was bound")
+
+    monkeypatch.setattr(server_module, "make_server_app", load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError):
+            server_module.serve_forever(port=port)

@@ -103,3 +103,18 @@ def test_the_buckets_are_vllms(run):
 
     assert bounds("time_to_first_token_seconds") == [*VLLM_TTFT_BUCKETS, math.inf]
     assert bounds("inter_token_latency_seconds") == [*VLLM_ITL_BUCKETS, math.inf]
+
+
+def test_the_phase_histograms_split_each_request_as_vllms_dashboard_reads_them(run):
+    samples, _, _ = run
+    num_requests = 5
+    phases = ("prefill_time", "decode_time", "inference_time")
+    for phase in phases:
+        assert samples[f"vllm:request_{phase}_seconds_count"] == num_requests
+    prefill, decode, inference = (samples[f"vllm:request_{p}_seconds_sum"] for p in phases)
+    assert prefill > 0 and decode > 0
+    assert prefill + decode == pytest.approx(inference)  # first token: where one ends
+    assert inference <= samples["vllm:e2e_request_latency_seconds_sum"]
+    # the longest completion of each request: 5, 7, 3 (n=2, both 3), 4 and 4
+    assert samples["vllm:request_max_num_generation_tokens_sum"] == 5 + 7 + 3 + 4 + 4
+    assert samples["vllm:request_params_n_sum"] == 1 + 1 + 2 + 1 + 1
