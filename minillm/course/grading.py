@@ -254,8 +254,17 @@ def _copy_beside(path: pathlib.Path, target: pathlib.Path) -> None:
         copied += 1
 
 
+# what the grading process inherits from the instructor's environment: no tokens or keys
+INHERITED_ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "PYTHONHASHSEED", "TRITON_INTERPRET",
+                         "OMP_NUM_THREADS")
+
+
 def _environment(workdir: str) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {
+        var: value
+        for var, value in os.environ.items()
+        if var in INHERITED_ENVIRONMENT or var.startswith(("MINILLM_", "HF_HUB_OFFLINE"))
+    }
     env.update(
         {
             "CUDA_VISIBLE_DEVICES": "",  # every submission graded on the same device: the CPU
@@ -266,6 +275,17 @@ def _environment(workdir: str) -> dict[str, str]:
         }
     )
     return env
+
+
+def _sandbox_command() -> list[str]:
+    """The grading process: isolated mode (-I: no environment variables, no user site), with
+    the same minillm as this process, wherever it was imported from."""
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    code = (
+        f"import sys; sys.path.insert(0, {root!r}); "
+        "from minillm.course.sandbox import main; sys.exit(main())"
+    )
+    return [sys.executable, "-I", "-c", code]
 
 
 def _run_group(
@@ -287,10 +307,14 @@ def _run_group(
                 _copy_beside(sub.path, files)
             except OSError:
                 files.mkdir(exist_ok=True)
+            # the grading process never holds a student's code: each student's process reads
+            # its own cells from this file, which no other student's process can read
+            cells_path = root / f"cells-{i}.json"
+            cells_path.write_text(json.dumps([dataclasses.asdict(c) for c in sub.code.cells]))
             payload.append(
                 {
                     "files": str(files),
-                    "cells": [dataclasses.asdict(c) for c in sub.code.cells],
+                    "cells_path": str(cells_path),
                     "skip": sorted(sub.code.errors),
                 }
             )
@@ -322,7 +346,7 @@ def _run_group(
         stderr_path = root / "sandbox-stderr.txt"
         with open(stderr_path, "wb") as stderr:
             process = subprocess.Popen(
-                [sys.executable, "-I", "-m", "minillm.course.sandbox"],
+                _sandbox_command(),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,

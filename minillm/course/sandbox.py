@@ -54,62 +54,45 @@ import time
 import traceback
 import types
 
+from minillm.course import remote
+
 # ---------------------------------------------------------------------------------------
 # The student's definitions
 
-# calls allowed in a top-level assignment the grader takes: pure builtins that build values
-VALUE_BUILTINS = frozenset(
-    "abs bool bytes complex dict enumerate float frozenset int len list max min range "
-    "reversed round set sorted str sum tuple zip".split()
-)
+CELL_MAGICS_WITH_PYTHON_BODY = ("time", "timeit", "capture", "prun")
 
 
-def _calls_only_builtins(node: ast.AST) -> bool:
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Call):
-            if not (isinstance(sub.func, ast.Name) and sub.func.id in VALUE_BUILTINS):
-                return False
-        elif isinstance(sub, ast.Await | ast.Yield | ast.YieldFrom | ast.NamedExpr):
-            return False
-    return True
+def statements(code: str, filename: str) -> list[types.CodeType]:
+    """Each top-level statement of a cell compiled on its own (line numbers kept), so that
+    one that raises costs only itself, as far as the rest of the cell does not need it.
 
-
-def _assigns_names(targets: list[ast.expr]) -> bool:
-    def plain(target: ast.expr) -> bool:
-        if isinstance(target, ast.Name):
-            return True
-        if isinstance(target, ast.Tuple | ast.List):
-            return all(plain(e) for e in target.elts)
-        return False
-
-    return all(plain(t) for t in targets)
-
-
-def is_definition(node: ast.stmt) -> bool:
-    """True for a top-level statement grading takes from a student's cell."""
-    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-        return True
-    if isinstance(node, ast.Import | ast.ImportFrom):
-        return True
-    if isinstance(node, ast.Assign):
-        return _assigns_names(node.targets) and _calls_only_builtins(node.value)
-    if isinstance(node, ast.AnnAssign):
-        return (
-            node.value is not None
-            and _assigns_names([node.target])
-            and _calls_only_builtins(node.value)
-        )
-    return False
-
-
-def definitions(code: str, filename: str) -> list[types.CodeType]:
-    """Each definition of a cell compiled on its own (line numbers kept); raises SyntaxError."""
+    A cell that IPython turned into one cell-magic call (`%%time` and the like, whose body
+    is Python) is graded by its body. Raises SyntaxError.
+    """
     tree = ast.parse(code, filename)
+    body = _magic_body(tree)
+    if body is not None:
+        offset = code.count("\n", 0, code.index("run_cell_magic")) + 1
+        tree = ast.parse("\n" * offset + body, filename)
     return [
-        compile(ast.Module(body=[node], type_ignores=[]), filename, "exec")
-        for node in tree.body
-        if is_definition(node)
+        compile(ast.Module(body=[node], type_ignores=[]), filename, "exec") for node in tree.body
     ]
+
+
+def _magic_body(tree: ast.Module) -> str | None:
+    """The body of `get_ipython().run_cell_magic('time', '', body)`, if the cell is that."""
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr):
+        return None
+    call = tree.body[0].value
+    if not (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "run_cell_magic"
+        and len(call.args) == 3
+        and all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in call.args)
+    ):
+        return None
+    return call.args[2].value if call.args[0].value in CELL_MAGICS_WITH_PYTHON_BODY else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -255,7 +238,9 @@ def describe_failure(exc: BaseException, sources: dict[str, str]) -> dict:
     error = f"{name}: {_first_line(message)}" if _first_line(message) else name
     if more:
         error += f" (and {more} other distinct failure{'s' if more > 1 else ''})"
-    checked = where = None
+    checked = None
+    where = getattr(exc, "_minillm_where", None)
+    where = where if type(where) is str else None
     for frame, lineno in traceback.walk_tb(exc.__traceback__):
         filename = frame.f_code.co_filename
         if filename not in sources:
@@ -449,6 +434,7 @@ class Snapshot:
 
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 38, 1, 36
+PR_SET_DUMPABLE = 4
 FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 FS_TRUNCATE, FS_IOCTL_DEV = 1 << 14, 1 << 15
 NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
@@ -582,6 +568,99 @@ def confine(abi: int, writable: str, readable: list[str], network: bool = False)
             raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
     finally:
         os.close(ruleset)
+
+
+# ---------------------------------------------------------------------------------------
+# Resource limits and the network, for the student's process
+
+DEFAULT_MEMORY_GIB = 4.0  # more than the process held at the fork, for the student's code
+MAX_FILE_BYTES = 64 * 2**20
+SPARE_PROCESSES = 256  # threads and processes the student's code may add to the machine's
+KEPT_ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "TOKENIZERS_PARALLELISM",
+                    "MPLBACKEND", "TRITON_INTERPRET", "OMP_NUM_THREADS", "PYTHONHASHSEED")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def limit_resources(cpu_s: float, memory_gib: float) -> list[str]:
+    """Set this process's rlimits; returns the names of those the platform refused.
+
+    Memory is RLIMIT_DATA (private writable memory, what allocations grow) above what the
+    process held at the fork; processes are RLIMIT_NPROC above the machine's current count
+    of threads (the limit counts all of this user's, and cannot say "children only").
+    """
+    import resource
+
+    refused = []
+    wanted = [
+        ("RLIMIT_CORE", 0),
+        ("RLIMIT_FSIZE", MAX_FILE_BYTES),
+        ("RLIMIT_CPU", int(cpu_s) + 5),
+    ]
+    if sys.platform.startswith("linux"):
+        wanted.append(("RLIMIT_DATA", _status_kib("VmData") * 1024 + int(memory_gib * 2**30)))
+        with open("/proc/loadavg") as f:
+            threads = int(f.read().split()[3].split("/")[1])
+        wanted.append(("RLIMIT_NPROC", threads + SPARE_PROCESSES))
+    for name, value in wanted:
+        which = getattr(resource, name, None)
+        try:
+            _, hard = resource.getrlimit(which)
+            if hard != resource.RLIM_INFINITY:
+                value = min(value, hard)
+            resource.setrlimit(which, (value, value if name != "RLIMIT_CPU" else value + 2))
+        except (ValueError, OSError, TypeError):
+            refused.append(name)
+    return refused
+
+
+# seccomp: socket() for anything but AF_UNIX, and io_uring (which makes sockets without it),
+# fail with EACCES; so does every system call of another architecture's ABI
+SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def deny_network() -> bool:
+    """Forbid this process and its children to open a network socket; False where it cannot."""
+    spec = SECCOMP_ARCH.get(os.uname().machine)
+    if spec is None:
+        return False
+    arch, socket_nr, io_uring_setup = spec
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    errno_eacces, allow = 0x00050000 | 13, 0x7FFF0000
+    program = [
+        (ld, 0, 0, 4),  # arch
+        (jeq, 0, 6, arch),
+        (ld, 0, 0, 0),  # system call number
+        (jge, 4, 0, 0x40000000),  # x32 ABI
+        (jeq, 3, 0, io_uring_setup),
+        (jeq, 0, 3, socket_nr),
+        (ld, 0, 0, 16),  # socket's domain
+        (jeq, 1, 0, 1),  # AF_UNIX
+        (ret, 0, 0, errno_eacces),
+        (ret, 0, 0, allow),
+    ]
+    filters = (_SockFilter * len(program))(*[_SockFilter(*f) for f in program])
+    prog = _SockFprog(len(program), filters)
+    libc = _libc()
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
+        return False
+    return libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -875,8 +954,15 @@ def _child(
     output: int,
     nonce: str,
 ) -> None:
-    """Run exercise k's check on one submission; writes one JSON line, then exits."""
+    """Run exercise k's check on one submission; writes one JSON line, then exits.
+
+    This process runs only the reference's code. The student's code runs in a process of
+    its own, forked from this one before the student's cells are read, and is reached
+    only through `remote.Connection`: the check's verdict, its values and the pipe to the
+    grader stay here.
+    """
     status = 0
+    student_pid = 0
     try:
         signal.setitimer(signal.ITIMER_REAL, 0)
         for signum in (signal.SIGALRM, signal.SIGINT, signal.SIGTERM):
@@ -884,13 +970,14 @@ def _child(
         os.setpgid(0, 0)
         if sys.platform.startswith("linux"):
             _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            # no process of the same user may read or write this one's memory or descriptors
+            _libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(output, 1)
         os.dup2(output, 2)
         os.close(devnull)
         os.close(output)
-        # the pipes to the caller and to the other children are not the student's to write
         for fd in (
             *(c.output_fd for c in grader.running.values()),
             grader.events.fileno(),
@@ -899,24 +986,26 @@ def _child(
         ):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        files = submission.get("files")
-        if files and os.path.isdir(files):
-            shutil.copytree(files, workdir, dirs_exist_ok=True)
-        os.chdir(workdir)
-        for var in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "MPLCONFIGDIR"):
-            os.environ[var] = workdir
-        tempfile.tempdir = workdir  # gettempdir() caches the folder the grader saw
         if "torch" in sys.modules:  # the grading process used OpenMP threads before the fork
             sys.modules["torch"].set_num_threads(1)
-        if grader.abi:
-            network = grader.job["exercises"][k].get("network", False)
-            confine(grader.abi, workdir, grader.readable, network=network)
-        # after the fork (which resets some of threading's state), before the student's code
-        snapshot = Snapshot(grader.namespace)
-        result = _check(grader, submission, k, code, filename, check_source, snapshot)
+        ours, theirs = remote.pair()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        student_pid = os.fork()
+        if student_pid == 0:
+            try:
+                ours.close()
+                _student(grader, k, submission, workdir, theirs, result_fd)
+            finally:
+                os._exit(1)
+        theirs.close()
+        result = _check(grader, k, code, filename, check_source, ours, student_pid)
     except BaseException as exc:  # the child must report, whatever happened
         result = {"passed": False, "error": f"the grader failed: {_one_line(exc)}"}
         status = 1
+    if student_pid:
+        with contextlib.suppress(OSError):
+            os.kill(student_pid, signal.SIGKILL)
     result["nonce"] = nonce
     try:
         os.write(result_fd, (json.dumps(result) + "\n").encode())
@@ -924,19 +1013,45 @@ def _child(
         os._exit(status)
 
 
-def _check(grader: Grader, submission, k, code, filename, check_source, snapshot) -> dict:
-    # bound before the student's code runs, so that rebinding the names later changes nothing
-    changes, describe, helpers = snapshot.changes, describe_failure, dict(CHECK_HELPERS)
+def _student(grader: Grader, k: int, submission: dict, workdir: str, sock, result_fd) -> None:
+    """The process of the student's code: confined, limited, answering the check's calls."""
+    keep = sock.fileno()
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 1 << 16)
+    prctl = _libc().prctl if sys.platform.startswith("linux") else None
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    with open(submission["cells_path"], encoding="utf-8") as f:  # its own cells, no one else's
+        cells = json.load(f)
+    files = submission.get("files")
+    if files and os.path.isdir(files):
+        shutil.copytree(files, workdir, dirs_exist_ok=True)
+    os.chdir(workdir)
+    kept = {var: os.environ[var] for var in KEPT_ENVIRONMENT if var in os.environ}
+    os.environ.clear()
+    os.environ.update(kept)
+    for var in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "MPLCONFIGDIR"):
+        os.environ[var] = workdir
+    tempfile.tempdir = workdir  # gettempdir() caches the folder the grader saw
+    network = grader.job["exercises"][k].get("network", False)
+    limit_resources(grader.timeout_s, float(grader.job.get("memory_gib", DEFAULT_MEMORY_GIB)))
+    if prctl is not None and not network:
+        deny_network()
+    if grader.abi:
+        confine(grader.abi, workdir, grader.readable, network=network)
+    # after the fork (which resets some of threading's state), before the student's code
+    snapshot = Snapshot(grader.namespace)
+    changes = snapshot.changes
     setup = grader.namespace
     student = dict(setup)
-    sources = {filename: check_source}
+    conn = remote.Connection(sock, trusted=False)
     notes = []
-    for cell in submission["cells"]:
+    for cell in cells:
         if cell["exercise"] > k:
             continue
-        sources[cell["filename"]] = cell["source"]
+        conn.sources[cell["filename"]] = cell["source"]
         try:
-            compiled = definitions(cell["source"], cell["filename"])
+            compiled = statements(cell["source"], cell["filename"])
         except SyntaxError:
             continue  # reported by the caller
         for statement in compiled:
@@ -946,36 +1061,94 @@ def _check(grader: Grader, submission, k, code, filename, check_source, snapshot
                 line = statement.co_firstlineno
                 notes.append(f"{cell['filename'][1:-1]}, line {line}: {_one_line(exc)}")
     protected = set(setup) - grader.functions
-    used = _names(check_source)
-    check = dict(setup)
+    names = {}
     for name, value in student.items():
-        if name in setup and setup[name] is value:
+        if name.startswith("__") or (name in setup and setup[name] is value):
             continue
-        if name in protected:
-            if name in used and not _same(value, setup[name]):
+        if name in protected or hasattr(builtins, name):
+            if not _same(value, setup.get(name, getattr(builtins, name, None))):
                 notes.append(
-                    f"your code defines {name}, which the notebook's setup defines too: the "
-                    "check uses the setup's, your functions use yours"
+                    f"your code defines {name}, which the notebook's "
+                    + ("setup" if name in protected else "Python")
+                    + " defines too: the check uses that one, your functions use yours"
                 )
             continue
+        names[name] = value
+    conn.exported[0] = lambda: {"names": names, "notes": notes}
+    conn.exported[1] = lambda: changes()
+    conn.serve_forever()
+    os._exit(0)
+
+
+def _check(grader: Grader, k, code, filename, check_source, conn_sock, student_pid) -> dict:
+    conn = remote.Connection(conn_sock, trusted=True)
+    try:
+        session = conn.request("call", 0)
+    except remote.PeerGone:
+        return _crashed(grader, k, student_pid, "before its definitions were done")
+    names, notes = _plain_session(session)
+    check = dict(grader.namespace)
+    for name, value in names.items():
+        if name.startswith("__") or hasattr(builtins, name):
+            continue  # the check's builtins stay Python's
+        if name in check and name not in grader.functions:
+            continue  # names the setup defines keep the setup's values
         check[name] = value
-    check.update(helpers)
+    check.update(CHECK_HELPERS)
+    sources = {filename: check_source}
     try:
         exec(code, check)
     except BaseException as exc:
-        result = {"passed": False, **describe(exc, sources)}
+        if conn.gone:
+            return _crashed(grader, k, student_pid, "while the check ran")
+        result = {"passed": False, **describe_failure(exc, sources)}
     else:
         result = {"passed": True, "error": None}
-    changed = changes()
+    try:
+        changed = conn.request("call", 1)
+    except BaseException:
+        if conn.gone:
+            return _crashed(grader, k, student_pid, "while the check ran")
+        changed = []
+    changed = [c for c in changed if type(c) is str] if type(changed) is list else []
     if changed:
         result = {
             "passed": False,
             "error": "Tampering: your code changed "
-            + ", ".join(changed)
+            + ", ".join(changed[:5])
             + ", which the checks rely on",
         }
     result["notes"] = notes
     return result
+
+
+def _plain_session(session) -> tuple[dict, list[str]]:
+    if type(session) is not dict:
+        return {}, []
+    names = session.get("names")
+    notes = session.get("notes")
+    names = {k: v for k, v in names.items() if type(k) is str} if type(names) is dict else {}
+    notes = [n for n in notes if type(n) is str] if type(notes) is list else []
+    return names, notes
+
+
+def _crashed(grader: Grader, k: int, pid: int, when: str) -> dict:
+    number = grader.job["exercises"][k]["number"]
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        status = None
+    if status is not None and os.WIFSIGNALED(status):
+        how = f"killed by signal {os.WTERMSIG(status)}"
+    elif status is not None:
+        how = f"exit status {os.WEXITSTATUS(status)}"
+    else:
+        how = "it was gone"
+    return {
+        "passed": False,
+        "error": f"Crash: the process running your code for exercise {number} ended ({how}) "
+        f"{when}: an exit call, a crash in native code, or too much memory",
+    }
 
 
 def _names(source: str) -> set[str]:
