@@ -36,6 +36,8 @@ every path was found and every notebook was graded (whatever the scores), 1 othe
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import csv
 import dataclasses
 import json
@@ -94,6 +96,10 @@ class ExerciseGrade:
     notes: list[str] = dataclasses.field(default_factory=list)
     output: str = ""  # the end of what the check and the student's code printed
     seconds: float | None = None
+    flags: list[str] = dataclasses.field(default_factory=list)  # for the instructor to read
+    # the check ran in the student's process (it needs the student's live objects): a pass
+    # there is only as trustworthy as the student's code
+    in_student_process: bool = False
 
     @property
     def points(self) -> int:
@@ -113,6 +119,8 @@ class ExerciseGrade:
             "checked": self.checked,
             "where": self.where,
             "notes": self.notes,
+            "flags": self.flags,
+            "in_student_process": self.in_student_process,
             "seconds": self.seconds,
         }
 
@@ -127,6 +135,7 @@ class NotebookGrade:
     student: str = ""  # how the tables name it; the path when empty
     reference: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
+    flags: list[str] = dataclasses.field(default_factory=list)  # of the notebook as a whole
 
     @property
     def points(self) -> int:
@@ -140,6 +149,10 @@ class NotebookGrade:
     def label(self) -> str:
         return self.student or self.path
 
+    def all_flags(self) -> list[str]:
+        """The notebook's flags, then each exercise's, prefixed with its number."""
+        return self.flags + [f"{e.number}: {flag}" for e in self.exercises for flag in e.flags]
+
     def to_dict(self) -> dict:
         return {
             "student": self.label,
@@ -149,6 +162,7 @@ class NotebookGrade:
             "max_points": self.max_points,
             "error": self.error,
             "notes": self.notes,
+            "flags": self.all_flags(),
             "exercises": [e.to_dict() for e in self.exercises],
         }
 
@@ -255,8 +269,14 @@ def _copy_beside(path: pathlib.Path, target: pathlib.Path) -> None:
 
 
 # what the grading process inherits from the instructor's environment: no tokens or keys
-INHERITED_ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "PYTHONHASHSEED", "TRITON_INTERPRET",
-                         "OMP_NUM_THREADS")
+INHERITED_ENVIRONMENT = (
+    "PATH",
+    "LANG",
+    "LC_ALL",
+    "PYTHONHASHSEED",
+    "TRITON_INTERPRET",
+    "OMP_NUM_THREADS",
+)
 
 
 def _environment(workdir: str) -> dict[str, str]:
@@ -330,6 +350,7 @@ def _run_group(
                     "functions": list(ex.functions),
                     "timing": ex.timing,
                     "network": ex.network,
+                    "student_process": ex.student_process,
                 }
                 for ex in exercises.exercises
             ],
@@ -415,6 +436,116 @@ def _last_lines(path: pathlib.Path, count: int = 3) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines()[-count:])
 
 
+SELF_GRADED = "self-graded: checked by the notebook's own check cells, not a reference's"
+# what a solution has no use for, and an attack on the grader or the checks does
+SUSPICIOUS = (
+    ("_getframe", "reads the call stack"),
+    ("f_back", "reads the call stack"),
+    ("f_globals", "reads the call stack"),
+    ("f_locals", "reads the call stack"),
+    ("settrace", "traces execution"),
+    ("setprofile", "traces execution"),
+    ("__code__", "replaces a function's code"),
+    ("__torch_function__", "overrides torch functions"),
+    ("__torch_dispatch__", "overrides torch functions"),
+    ("__eq__", "overrides equality"),
+    ("__ne__", "overrides equality"),
+    ("import __main__", "imports __main__"),
+    ("ctypes", "uses ctypes"),
+    ("gc.get_objects", "walks the heap"),
+    ("gc.get_referrers", "walks the heap"),
+    ("os.write", "writes to file descriptors"),
+    ("os.fork", "forks"),
+    ("os._exit", "exits the process"),
+    ("sys.modules", "edits sys.modules"),
+    ("builtins", "edits builtins"),
+)
+
+
+def _suspicious(source: str) -> list[str]:
+    found = []
+    for needle, what in SUSPICIOUS:
+        if needle in source and f"{what} ({needle})" not in found:
+            found.append(f"{what} ({needle})")
+    return found
+
+
+def _bound_by_setup(exercises: ExerciseSet) -> set[str]:
+    """Names the reference's setup imports from minillm or kernels, or defines itself."""
+    names: set[str] = set()
+    for step in exercises.steps:
+        if step.kind != "setup":
+            continue
+        try:
+            tree = ast.parse(step.source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (
+                "minillm",
+                "kernels",
+            ):
+                names.update(a.asname or a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(
+                    (a.asname or a.name).split(".")[0]
+                    for a in node.names
+                    if a.name.split(".")[0] in ("minillm", "kernels")
+                )
+            elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names.add(node.name)
+    return names
+
+
+def _used_names(source: str) -> set[str]:
+    """Dotted names a piece of code calls or subclasses ("rtn", "roofline.gemm_flops")."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    used = set()
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Call):
+            targets = [node.func]
+        elif isinstance(node, ast.ClassDef):
+            targets = list(node.bases)
+        for target in targets:
+            with contextlib.suppress(Exception):
+                used.add(ast.unparse(target))
+    return used
+
+
+def code_flags(code: StudentCode, exercises: ExerciseSet) -> dict[int, list[str]]:
+    """Flags for the instructor, by exercise: code no answer needs (an attack on the grader
+    or on the checks), and an answer that calls what its check compares it with."""
+    flags: dict[int, list[str]] = {}
+    oracles = _bound_by_setup(exercises) - set(exercises.functions())
+    checks = {s.exercise: s.source for s in exercises.steps if s.kind == "check"}
+    for k, _ in enumerate(exercises.exercises):
+        visible = [c for c in code.cells if c.exercise <= k]
+        found: list[str] = []
+        for cell in visible:
+            found.extend(f for f in _suspicious(cell.source) if f not in found)
+        if found:
+            flags.setdefault(k, []).append("suspicious code: " + ", ".join(found))
+        answers = [
+            c for c in code.cells if c.exercise == k and c.filename.startswith("<your answer")
+        ]
+        check_uses = _used_names(checks.get(k, ""))
+        shared = sorted(
+            name
+            for cell in answers
+            for name in _used_names(cell.source) & check_uses
+            if name.split(".")[0] in oracles
+        )
+        if shared:
+            flags.setdefault(k, []).append(
+                "calls what the check compares with: " + ", ".join(dict.fromkeys(shared))
+            )
+    return flags
+
+
 def grade_notebooks(
     paths: list[pathlib.Path],
     reference: pathlib.Path | None = None,
@@ -479,6 +610,7 @@ def grade_notebooks(
         grade.notes = list(code.general)
         if reference is None:
             grade.notes.extend(_own_checks_changed(nb, ref))
+            grade.flags.append(SELF_GRADED)
         grade.exercises = [
             ExerciseGrade(
                 ex.number,
@@ -491,6 +623,8 @@ def grade_notebooks(
             )
             for k, ex in enumerate(ref.exercises)
         ]
+        for k, flags in code_flags(code, ref).items():
+            grade.exercises[k].flags.extend(flags)
         if key not in groups:
             groups[key] = _Group(key, ref)
         groups[key].submissions.append(_Submission(path, grade, code))
@@ -516,9 +650,12 @@ def grade_notebooks(
                 for field in ("error", "message", "input", "checked", "where"):
                     setattr(exercise, field, event.get(field))
                 exercise.notes.extend(event.get("notes") or [])
+                if (exercise.error or "").startswith("Tampering"):
+                    exercise.flags.insert(0, "tampering")
                 if _is_stub(exercise):
                     exercise.error = NOT_ANSWERED
                     exercise.message = exercise.checked = exercise.where = None
+                exercise.in_student_process = event.get("student_process") is True
                 exercise.output = event.get("output") or ""
                 exercise.seconds = event.get("seconds")
                 if on_progress is not None:
@@ -624,8 +761,12 @@ def format_feedback(grade: NotebookGrade) -> str:
                     lines.append(f"{pad}{label}: {value}")
         for note in e.notes:
             lines.append(f"{pad}note: {note}")
+        for flag in e.flags:
+            lines.append(f"{pad}flag: {flag}")
     for note in grade.notes:
         lines.append(f"  note: {note}")
+    for flag in grade.flags:
+        lines.append(f"  flag: {flag}")
     lines.append(f"  {'total':>8}  {'':<{width}}  {f'{grade.points}/{grade.max_points}':>6}")
     return "\n".join(line.rstrip() for line in lines)
 
@@ -648,6 +789,7 @@ def format_summary(grades: list[NotebookGrade]) -> str:
         template = next((g for g in group if g.exercises), None)
         numbers = [e.number for e in template.exercises] if template else []
         header = ["student", *(str(n) for n in numbers), "total", ""]
+        flagged = any(_flag_summary(g) for g in group)
         rows = [header]
         for grade in group:
             cells = {e.number: str(e.points) for e in grade.exercises}
@@ -657,7 +799,14 @@ def format_summary(grades: list[NotebookGrade]) -> str:
                     grade.label,
                     *(cells.get(n, "-") for n in numbers),
                     total,
-                    f"not graded: {grade.error}" if grade.error else "",
+                    "  ".join(
+                        part
+                        for part in (
+                            f"not graded: {grade.error}" if grade.error else "",
+                            f"flags: {_flag_summary(grade)}" if _flag_summary(grade) else "",
+                        )
+                        if part
+                    ),
                 ]
             )
         if template:
@@ -672,8 +821,37 @@ def format_summary(grades: list[NotebookGrade]) -> str:
         if template:
             names = ", ".join(f"{e.number} {e.name}" for e in template.exercises)
             lines.append(f"exercises: {names}")
+        inside = sorted({e.number for g in group for e in g.exercises if e.in_student_process})
+        if inside:
+            lines.append(
+                "checked in the student's own process, where a pass can be forged (read these "
+                f"answers): exercise {', '.join(str(n) for n in inside)}"
+            )
+        if flagged:
+            lines.append(
+                "flags: read these answers before counting their points (the feedback and the "
+                "reports say why each was flagged)"
+            )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _flag_summary(grade: NotebookGrade) -> str:
+    """A notebook's flags in a few words: 'self-graded; tampering 1; suspicious code 1, 3'."""
+    kinds: dict[str, list[str]] = {}
+    for e in grade.exercises:
+        for flag in e.flags:
+            kinds.setdefault(flag.split(":")[0], []).append(str(e.number))
+    parts = ["self-graded"] if SELF_GRADED in grade.flags else []
+    parts += [f"{kind} {', '.join(dict.fromkeys(numbers))}" for kind, numbers in kinds.items()]
+    return "; ".join(parts)
+
+
+def _cell(value: object) -> object:
+    """A CSV cell that no spreadsheet reads as a formula (a student names exceptions)."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
 
 
 def _exercise_columns(grades: list[NotebookGrade]) -> list[tuple[str, int, str]]:
@@ -717,21 +895,22 @@ def write_report(grades: list[NotebookGrade], report: pathlib.Path) -> list[path
                 "points",
                 "max_points",
                 "error",
+                "flags",
             ]
         )
         for grade in grades:
             points = {(grade.reference, e.number): e.points for e in grade.exercises}
-            writer.writerow(
-                [
-                    grade.label,
-                    grade.path,
-                    grade.reference,
-                    *(points.get((ref, n), "") for ref, n, _ in columns),
-                    grade.points,
-                    grade.max_points,
-                    grade.error or "",
-                ]
-            )
+            row = [
+                grade.label,
+                grade.path,
+                grade.reference,
+                *(points.get((ref, n), "") for ref, n, _ in columns),
+                grade.points,
+                grade.max_points,
+                grade.error or "",
+                " | ".join(grade.all_flags()),
+            ]
+            writer.writerow([_cell(v) for v in row])
     detail = report.with_name(report.stem + ".exercises.csv")
     with detail.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
@@ -751,28 +930,29 @@ def write_report(grades: list[NotebookGrade], report: pathlib.Path) -> list[path
                 "checked",
                 "raised_at",
                 "notes",
+                "flags",
             ]
         )
         for grade in grades:
             for e in grade.exercises:
-                writer.writerow(
-                    [
-                        grade.label,
-                        grade.path,
-                        grade.reference,
-                        e.number,
-                        e.name,
-                        e.title,
-                        e.points,
-                        e.max_points,
-                        e.passed,
-                        e.error or "",
-                        e.input or "",
-                        e.checked or "",
-                        e.where or "",
-                        " | ".join(e.notes + grade.notes),
-                    ]
-                )
+                row = [
+                    grade.label,
+                    grade.path,
+                    grade.reference,
+                    e.number,
+                    e.name,
+                    e.title,
+                    e.points,
+                    e.max_points,
+                    e.passed,
+                    e.error or "",
+                    e.input or "",
+                    e.checked or "",
+                    e.where or "",
+                    " | ".join(e.notes + grade.notes),
+                    " | ".join(grade.flags + e.flags),
+                ]
+                writer.writerow([_cell(v) for v in row])
     return [report, detail]
 
 
@@ -868,6 +1048,12 @@ def _run(args: argparse.Namespace) -> int:
     notebooks, problems = collect_notebooks(args.paths)
     for problem in problems:
         print(f"minillm grade: {problem}", file=sys.stderr)
+    if args.reference is None and len(notebooks) > 1:
+        return fail(
+            "several notebooks need --reference (for example --reference exercises/): "
+            "without it each notebook is graded by its own check cells, which its author "
+            "can edit, and its other cells run outside the sandbox"
+        )
     total = 0
     if notebooks:
         # an estimate for the progress line: the exercises of the first notebook, each

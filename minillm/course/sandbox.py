@@ -576,8 +576,17 @@ def confine(abi: int, writable: str, readable: list[str], network: bool = False)
 DEFAULT_MEMORY_GIB = 4.0  # more than the process held at the fork, for the student's code
 MAX_FILE_BYTES = 64 * 2**20
 SPARE_PROCESSES = 256  # threads and processes the student's code may add to the machine's
-KEPT_ENVIRONMENT = ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "TOKENIZERS_PARALLELISM",
-                    "MPLBACKEND", "TRITON_INTERPRET", "OMP_NUM_THREADS", "PYTHONHASHSEED")
+KEPT_ENVIRONMENT = (
+    "PATH",
+    "LANG",
+    "LC_ALL",
+    "CUDA_VISIBLE_DEVICES",
+    "TOKENIZERS_PARALLELISM",
+    "MPLBACKEND",
+    "TRITON_INTERPRET",
+    "OMP_NUM_THREADS",
+    "PYTHONHASHSEED",
+)
 
 
 def _status_kib(field: str) -> int:
@@ -627,8 +636,12 @@ PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 
 
 class _SockFilter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
-                ("k", ctypes.c_uint32)]
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
 
 
 class _SockFprog(ctypes.Structure):
@@ -895,7 +908,15 @@ def _parse_result(data: bytes, nonce: str) -> dict | None:
                 "passed": result.get("passed") is True,
                 **{
                     k: result.get(k)
-                    for k in ("error", "message", "input", "checked", "where", "notes")
+                    for k in (
+                        "error",
+                        "message",
+                        "input",
+                        "checked",
+                        "where",
+                        "notes",
+                        "student_process",
+                    )
                 },
             }
     return None
@@ -995,7 +1016,7 @@ def _child(
         if student_pid == 0:
             try:
                 ours.close()
-                _student(grader, k, submission, workdir, theirs, result_fd)
+                _student(grader, k, submission, workdir, theirs, (code, filename, check_source))
             finally:
                 os._exit(1)
         theirs.close()
@@ -1013,7 +1034,7 @@ def _child(
         os._exit(status)
 
 
-def _student(grader: Grader, k: int, submission: dict, workdir: str, sock, result_fd) -> None:
+def _student(grader: Grader, k: int, submission: dict, workdir: str, sock, check) -> None:
     """The process of the student's code: confined, limited, answering the check's calls."""
     keep = sock.fileno()
     os.closerange(3, keep)
@@ -1076,8 +1097,56 @@ def _student(grader: Grader, k: int, submission: dict, workdir: str, sock, resul
         names[name] = value
     conn.exported[0] = lambda: {"names": names, "notes": notes}
     conn.exported[1] = lambda: changes()
+    conn.exported[2] = lambda: _check_here(setup, names, conn.sources, *check)
     conn.serve_forever()
     os._exit(0)
+
+
+def _check_here(setup: dict, names: dict, sources: dict, code, filename, check_source) -> dict:
+    """The check run in the student's process (a check that needs the student's live objects,
+    or that watches the student's code from inside): what it reports can be forged."""
+    check = dict(setup)
+    check.update(names)  # without the setup's names and Python's builtins (see _student)
+    check.update(CHECK_HELPERS)
+    try:
+        exec(code, check)
+    except BaseException as exc:
+        return {"passed": False, **describe_failure(exc, {filename: check_source, **sources})}
+    return {"passed": True, "error": None}
+
+
+def student_process_check(source: str) -> bool:
+    """Whether a check watches the student's code from inside, which only works in the
+    process that runs that code: a torch function mode that records the operations it
+    runs, or an attribute the check sets on an object or module it did not create (a
+    patched method of the setup's model, a replaced Triton launcher)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    created: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            created.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            created.add(node.name)
+        elif isinstance(node, ast.arg):
+            created.add(node.arg)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any(
+            "FunctionMode" in ast.unparse(b) or "DispatchMode" in ast.unparse(b)
+            for b in node.bases
+        ):
+            return True
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        for target in targets:
+            root = target
+            while isinstance(root, ast.Attribute | ast.Subscript):
+                root = root.value
+            if target is not root and isinstance(target, ast.Attribute):
+                if isinstance(root, ast.Name) and root.id not in created:
+                    return True
+    return False
 
 
 def _check(grader: Grader, k, code, filename, check_source, conn_sock, student_pid) -> dict:
@@ -1087,6 +1156,18 @@ def _check(grader: Grader, k, code, filename, check_source, conn_sock, student_p
     except remote.PeerGone:
         return _crashed(grader, k, student_pid, "before its definitions were done")
     names, notes = _plain_session(session)
+    exercise = grader.job["exercises"][k]
+    if exercise.get("student_process") or student_process_check(check_source):
+        try:
+            reported = conn.request("call", 2)
+        except remote.PeerGone:
+            return _crashed(grader, k, student_pid, "while the check ran")
+        except BaseException as exc:
+            reported = {"passed": False, "error": _one_line(exc)}
+        result = _plain_result(reported)
+        result["student_process"] = True
+        result["notes"] = notes
+        return result
     check = dict(grader.namespace)
     for name, value in names.items():
         if name.startswith("__") or hasattr(builtins, name):
@@ -1119,6 +1200,16 @@ def _check(grader: Grader, k, code, filename, check_source, conn_sock, student_p
             + ", which the checks rely on",
         }
     result["notes"] = notes
+    return result
+
+
+def _plain_result(reported) -> dict:
+    """A result as the student's process reported it, as plain strings."""
+    reported = reported if type(reported) is dict else {}
+    result = {"passed": reported.get("passed") is True}
+    for key in ("error", "message", "input", "checked", "where"):
+        value = reported.get(key)
+        result[key] = value if type(value) is str else None
     return result
 
 

@@ -179,6 +179,97 @@ CHEATS = {
         None,
         {"weight_bytes_bf16": 0, "square": 1},
     ),
+    "forge the result from a helper cell": (
+        {},
+        "class _Helpers:\n"
+        "    import sys as _sys, os as _os, json as _json\n"
+        "    _f = _sys._getframe()\n"
+        "    while _f is not None and 'nonce' not in _f.f_locals:\n"
+        "        _f = _f.f_back\n"
+        "    if _f is not None:\n"
+        "        _os.write(_f.f_locals['result_fd'], (_json.dumps({'passed': True, 'error': None,"
+        " 'nonce': _f.f_locals['nonce']}) + '\\n').encode())\n"
+        "        _os._exit(0)",
+        {"weight_bytes_bf16": 0, "square": 0},
+    ),
+    "return values that equal everything": (
+        {
+            "weight_bytes_bf16": "class Anything(int):\n"
+            "    def __eq__(self, other):\n        return True\n"
+            "    def __ne__(self, other):\n        return True\n"
+            "    __hash__ = int.__hash__\n"
+            "return Anything(0)",
+            "square": "class Anything(float):\n"
+            "    def __eq__(self, other):\n        return True\n"
+            "    __hash__ = float.__hash__\n"
+            "return Anything(0)",
+        },
+        None,
+        {"weight_bytes_bf16": 0, "square": 0},
+    ),
+    "switch the tamper detector off, then patch minillm": (
+        {
+            "weight_bytes_bf16": "import gc\n"
+            "for o in gc.get_objects():\n"
+            "    if type(o).__name__ == 'Snapshot':\n"
+            "        o.modules.clear(); o.deep.clear(); o.values.clear()\n"
+            "from minillm.lab import units\n"
+            "units.weight_bytes = lambda n, dtype: 16_060_000_000\n" + HARD_CODED,
+            "square": SQUARE,
+        },
+        None,
+        {"weight_bytes_bf16": 0, "square": 1},
+    ),
+    "jump the check's frame to its last line": (
+        {
+            "weight_bytes_bf16": "import sys as _sys\n"
+            "_check = _sys._getframe(1)\n"
+            "_last = max(line for *_, line in _check.f_code.co_lines() if line is not None)\n"
+            "def _tracer(frame, event, arg):\n"
+            "    if frame is _check and event == 'line':\n"
+            "        frame.f_lineno = _last\n"
+            "        frame.f_trace = None\n"
+            "        _sys.settrace(None)\n"
+            "    return _tracer\n"
+            "_check.f_trace = _tracer\n"
+            "_sys.settrace(_tracer)\n" + HARD_CODED,
+            "square": SQUARE,
+        },
+        None,
+        {"weight_bytes_bf16": 0, "square": 1},
+    ),
+    "rebind the oracle in the caller's namespace": (
+        {
+            "weight_bytes_bf16": "import sys\n"
+            "sys._getframe(1).f_globals['reference_weight_bytes'] = lambda n: 16_060_000_000\n"
+            + HARD_CODED,
+            "square": SQUARE,
+        },
+        None,
+        {"weight_bytes_bf16": 0, "square": 1},
+    ),
+    "run a classmate's answer from the grader's memory": (
+        {
+            "weight_bytes_bf16": "import sys\n"
+            "f = sys._getframe()\n"
+            "while f is not None and 'grader' not in f.f_locals:\n"
+            "    f = f.f_back\n"
+            "for sub in f.f_locals['grader'].job['submissions'] if f else []:\n"
+            "    for cell in sub.get('cells', []):\n"
+            "        if 'return 2 * n' in cell['source']:\n"
+            "            scope = {}\n"
+            "            exec(cell['source'], scope)\n"
+            "            return scope['weight_bytes_bf16'](n)",
+            "square": SQUARE,
+        },
+        None,
+        {"weight_bytes_bf16": 0, "square": 1},
+    ),
+    "an honest classmate": (
+        {"weight_bytes_bf16": "return 2 * n", "square": SQUARE},
+        None,
+        {"weight_bytes_bf16": 2, "square": 1},
+    ),
     "leave before the check fails": (
         {"weight_bytes_bf16": "raise SystemExit(0)", "square": "import os\nos._exit(0)"},
         None,
@@ -197,6 +288,21 @@ CONFINED = {
             "scope = {}\n"
             "exec(''.join(cell['source']), scope)\n"
             "return scope['weight_bytes_bf16'](n)",
+            "square": SQUARE,
+        },
+        None,
+        {"weight_bytes_bf16": 0, "square": 1},
+    ),
+    "read a classmate's cells": (
+        {
+            "weight_bytes_bf16": "import glob, json, os\n"
+            "for path in glob.glob(os.path.join(os.getcwd(), '..', 'cells-*.json')):\n"
+            "    for cell in json.load(open(path)):\n"
+            "        if 'return 2 * n' in cell['source']:\n"
+            "            scope = {}\n"
+            "            exec(cell['source'], scope)\n"
+            "            return scope['weight_bytes_bf16'](n)\n"
+            "os.listdir('..')",
             "square": SQUARE,
         },
         None,
@@ -271,6 +377,33 @@ def test_a_cheat_scores_zero_on_what_it_touches(cheats, name):
     grade = cheats["grades"][name]
     assert grade.error is None
     assert {e.name: e.points for e in grade.exercises} == cheats["expected"][name]
+
+
+FLAGGED = {
+    "forge the result from a helper cell": ("weight_bytes_bf16", "reads the call stack"),
+    "return values that equal everything": ("square", "overrides equality"),
+    "switch the tamper detector off, then patch minillm": ("weight_bytes_bf16", "walks the heap"),
+    "jump the check's frame to its last line": ("weight_bytes_bf16", "traces execution"),
+    "rebind the oracle in the caller's namespace": ("weight_bytes_bf16", "reads the call stack"),
+    "run a classmate's answer from the grader's memory": (
+        "weight_bytes_bf16",
+        "reads the call stack",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", FLAGGED)
+def test_a_cheat_is_flagged_for_the_instructor(cheats, name):
+    exercise_name, what = FLAGGED[name]
+    grade = cheats["grades"][name]
+    [exercise] = [e for e in grade.exercises if e.name == exercise_name]
+    assert any(what in flag for flag in exercise.flags), exercise.flags
+    assert exercise.points == 0
+
+
+def test_an_honest_answer_is_not_flagged(cheats):
+    grade = cheats["grades"]["an honest classmate"]
+    assert grade.all_flags() == []
 
 
 def test_tampering_is_named(cheats):
