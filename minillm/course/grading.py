@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import csv
 import dataclasses
 import json
@@ -271,6 +270,8 @@ def _copy_beside(path: pathlib.Path, target: pathlib.Path) -> None:
 # what the grading process inherits from the instructor's environment: no tokens or keys
 INHERITED_ENVIRONMENT = (
     "PATH",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
     "LANG",
     "LC_ALL",
     "PYTHONHASHSEED",
@@ -295,6 +296,27 @@ def _environment(workdir: str) -> dict[str, str]:
         }
     )
     return env
+
+
+# libraries the chapters use whose import rebinds attributes of the standard library: when
+# a submission imports one, the grading process imports it first, so that the import is
+# not taken for tampering
+PREIMPORTED = ("torch", "numpy", "triton", "transformers", "scipy")
+
+
+def _imports(code: StudentCode) -> set[str]:
+    names = set()
+    for cell in code.cells:
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+    return names & set(PREIMPORTED)
 
 
 def _sandbox_command() -> list[str]:
@@ -361,6 +383,7 @@ def _run_group(
             "workdir": run_root,
             "protected": protected,
             "confine": confine,
+            "preimport": sorted(set().union(*(_imports(s.code) for s in group.submissions))),
         }
         zygote_dir = root / "sandbox"
         zygote_dir.mkdir()
@@ -497,7 +520,14 @@ def _bound_by_setup(exercises: ExerciseSet) -> set[str]:
     return names
 
 
-def _used_names(source: str) -> set[str]:
+def _dotted(node: ast.expr) -> str:
+    try:
+        return ast.unparse(node)
+    except Exception:
+        return ""
+
+
+def _called_names(source: str) -> set[str]:
     """Dotted names a piece of code calls or subclasses ("rtn", "roofline.gemm_flops")."""
     try:
         tree = ast.parse(source)
@@ -505,43 +535,64 @@ def _used_names(source: str) -> set[str]:
         return set()
     used = set()
     for node in ast.walk(tree):
-        targets = []
         if isinstance(node, ast.Call):
-            targets = [node.func]
+            used.add(_dotted(node.func))
         elif isinstance(node, ast.ClassDef):
-            targets = list(node.bases)
-        for target in targets:
-            with contextlib.suppress(Exception):
-                used.add(ast.unparse(target))
+            used.update(_dotted(b) for b in node.bases)
     return used
+
+
+def _one_line_answers(source: str, functions: set[str]) -> set[str]:
+    """The names an answer consists of calling or subclassing, and nothing else: a function
+    of the exercise whose body is one `return f(...)`, or a class whose body is `pass`."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    found = set()
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef | ast.ClassDef) or node.name not in functions:
+            continue
+        body = node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        if isinstance(node, ast.ClassDef):
+            if all(isinstance(b, ast.Pass) for b in body):
+                found.update(_dotted(b) for b in node.bases)
+        elif len(body) == 1 and isinstance(body[0], ast.Return | ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Call):
+                found.add(_dotted(value.func))
+    return found
 
 
 def code_flags(code: StudentCode, exercises: ExerciseSet) -> dict[int, list[str]]:
     """Flags for the instructor, by exercise: code no answer needs (an attack on the grader
-    or on the checks), and an answer that calls what its check compares it with."""
+    or on the checks), and an answer that is one call of what its check compares it with."""
     flags: dict[int, list[str]] = {}
-    oracles = _bound_by_setup(exercises) - set(exercises.functions())
+    functions = set(exercises.functions())
+    oracles = _bound_by_setup(exercises) - functions
     checks = {s.exercise: s.source for s in exercises.steps if s.kind == "check"}
     for k, _ in enumerate(exercises.exercises):
-        visible = [c for c in code.cells if c.exercise <= k]
         found: list[str] = []
-        for cell in visible:
-            found.extend(f for f in _suspicious(cell.source) if f not in found)
+        for cell in code.cells:
+            if cell.exercise <= k:
+                found.extend(f for f in _suspicious(cell.source) if f not in found)
         if found:
             flags.setdefault(k, []).append("suspicious code: " + ", ".join(found))
-        answers = [
-            c for c in code.cells if c.exercise == k and c.filename.startswith("<your answer")
-        ]
-        check_uses = _used_names(checks.get(k, ""))
+        check_uses = _called_names(checks.get(k, ""))
+        answers = [c for c in code.cells if c.exercise == k and c.filename.startswith("<your ans")]
         shared = sorted(
-            name
-            for cell in answers
-            for name in _used_names(cell.source) & check_uses
-            if name.split(".")[0] in oracles
+            {
+                name
+                for cell in answers
+                for name in _one_line_answers(cell.source, functions)
+                if name in check_uses and name.split(".")[0] in oracles
+            }
         )
         if shared:
             flags.setdefault(k, []).append(
-                "calls what the check compares with: " + ", ".join(dict.fromkeys(shared))
+                "calls what the check compares with: " + ", ".join(shared)
             )
     return flags
 

@@ -586,7 +586,7 @@ def _holds_objects(value: object) -> bool:
         return False
     items = list(value.values()) if type(value) is dict else list(value)
     for item in items[:64]:
-        if isinstance(item, _DATA | list | dict | set):
+        if isinstance(item, (*_DATA, list, dict, set)):
             continue
         module = type(item).__module__.split(".")[0]
         if module in ("torch", "numpy") or isinstance(item, enum.Enum):

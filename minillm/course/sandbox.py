@@ -578,6 +578,8 @@ MAX_FILE_BYTES = 64 * 2**20
 SPARE_PROCESSES = 256  # threads and processes the student's code may add to the machine's
 KEPT_ENVIRONMENT = (
     "PATH",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
     "LANG",
     "LC_ALL",
     "CUDA_VISIBLE_DEVICES",
@@ -871,6 +873,9 @@ class Grader:
         self.send({"event": "ready", "landlock": self.abi})
         if sys.platform.startswith("linux"):
             _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        for name in self.job.get("preimport", []):
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
         for step in self.job["steps"]:
             if step["kind"] == "setup":
                 self.run_setup(step)
@@ -1134,8 +1139,7 @@ def student_process_check(source: str) -> bool:
             created.add(node.arg)
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and any(
-            "FunctionMode" in ast.unparse(b) or "DispatchMode" in ast.unparse(b)
-            for b in node.bases
+            "FunctionMode" in ast.unparse(b) or "DispatchMode" in ast.unparse(b) for b in node.bases
         ):
             return True
         targets = node.targets if isinstance(node, ast.Assign) else []

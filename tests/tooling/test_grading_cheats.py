@@ -8,7 +8,10 @@ solution notebook, so that a cheat that reads the reference would find the answe
 
 from __future__ import annotations
 
+import os
 import pathlib
+import platform
+import sys
 
 import pytest
 
@@ -320,6 +323,33 @@ CONFINED = {
 }
 
 
+# honest answers that run in Jupyter, as whole answer cells: each must score full points,
+# unflagged
+HONEST = {
+    "a constant computed by a call": "import math\n\nBYTES_PER_BF16 = math.ceil(16 / 8)\n\n\n"
+    "def weight_bytes_bf16(n):\n    return BYTES_PER_BF16 * n",
+    "a guarded import": "try:\n    from minillm.lab.units import GiB\nexcept ImportError:\n"
+    "    GiB = 2**30\n\n\ndef weight_bytes_bf16(n):\n    return 2 * n * GiB // GiB",
+    "a %%time cell": "%%time\ndef weight_bytes_bf16(n):\n    return 2 * n\n\n\n"
+    "print(weight_bytes_bf16(3))",
+    "torch imported": "import torch\n\n\ndef weight_bytes_bf16(n):\n"
+    "    return n * torch.finfo(torch.bfloat16).bits // 8",
+}
+
+# what the student's process may do, printed by an answer that is right
+PROBE = """import os, resource, socket
+print('secret' if 'HF_TOKEN' in os.environ else 'no secret')
+for name in ('RLIMIT_DATA', 'RLIMIT_FSIZE', 'RLIMIT_CPU', 'RLIMIT_NPROC', 'RLIMIT_CORE'):
+    print(name, resource.getrlimit(getattr(resource, name))[0] != resource.RLIM_INFINITY)
+for family, kind in ((socket.AF_INET, socket.SOCK_DGRAM), (socket.AF_INET6, socket.SOCK_STREAM)):
+    try:
+        socket.socket(family, kind).close()
+        print('network open')
+    except PermissionError:
+        print('network closed')
+return x * x"""
+
+
 def edited_setup(released: pathlib.Path, keep_ids: bool):
     """A submission whose setup cell makes the oracle agree with any answer."""
     nb = filled(released, {"weight_bytes_bf16": "return 3 * n", "square": SQUARE})
@@ -346,15 +376,26 @@ def cheats(tmp_path_factory) -> dict:
             nb.cells.insert(4, code(extra))
         paths.append(write_notebook(root / "class" / f"{len(paths)}.ipynb", nb))
         expected[name] = scores
+    for name, source in HONEST.items():
+        nb = filled(released, {"square": SQUARE})
+        [cell] = [c for c in nb.cells if c.get("id") == "weight_bytes_bf16"]
+        cell.source = source
+        paths.append(write_notebook(root / "class" / f"{len(paths)}.ipynb", nb))
+        expected[name] = {"weight_bytes_bf16": 2, "square": 1}
+    nb = filled(released, {"square": PROBE})
+    paths.append(write_notebook(root / "class" / f"{len(paths)}.ipynb", nb))
+    expected["probe the limits"] = {"weight_bytes_bf16": 0, "square": 1}
     for keep_ids in (True, False):
         name = f"edit a setup cell ({'ids kept' if keep_ids else 'ids lost'})"
         nb = edited_setup(released, keep_ids)
         paths.append(write_notebook(root / "class" / f"{len(paths)}.ipynb", nb))
         expected[name] = {"weight_bytes_bf16": 0, "square": 1}
     before = {p: p.read_bytes() for p in root.rglob("*.ipynb")}
+    os.environ["HF_TOKEN"] = "a secret the grader must not pass on"
     try:
         grades, problems = grade_notebooks(paths, reference, timeout_s=60, jobs=2)
     finally:
+        del os.environ["HF_TOKEN"]
         written = PACKAGE_FILE.exists()
         PACKAGE_FILE.unlink(missing_ok=True)
     assert problems == []
@@ -367,7 +408,14 @@ def cheats(tmp_path_factory) -> dict:
     }
 
 
-CASES = [*CHEATS, "edit a setup cell (ids kept)", "edit a setup cell (ids lost)", *CONFINED]
+CASES = [
+    *CHEATS,
+    "edit a setup cell (ids kept)",
+    "edit a setup cell (ids lost)",
+    *CONFINED,
+    *HONEST,
+    "probe the limits",
+]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -401,9 +449,20 @@ def test_a_cheat_is_flagged_for_the_instructor(cheats, name):
     assert exercise.points == 0
 
 
-def test_an_honest_answer_is_not_flagged(cheats):
-    grade = cheats["grades"]["an honest classmate"]
+@pytest.mark.parametrize("name", ["an honest classmate", *HONEST])
+def test_an_honest_answer_is_not_flagged(cheats, name):
+    grade = cheats["grades"][name]
     assert grade.all_flags() == []
+    assert all(not e.error or "Tampering" not in e.error for e in grade.exercises)
+
+
+def test_the_students_process_is_limited(cheats):
+    output = cheats["grades"]["probe the limits"].exercises[1].output
+    assert "no secret" in output
+    for name in ("RLIMIT_DATA", "RLIMIT_FSIZE", "RLIMIT_CPU", "RLIMIT_NPROC", "RLIMIT_CORE"):
+        assert f"{name} True" in output
+    if platform.machine() in ("x86_64", "aarch64") and sys.platform.startswith("linux"):
+        assert output.count("network closed") == 2, output
 
 
 def test_tampering_is_named(cheats):
