@@ -83,7 +83,7 @@ CHEATS = {
     "patch minillm at the top level": (
         {"weight_bytes_bf16": HARD_CODED, "square": SQUARE},
         "from minillm.lab import units\nunits.weight_bytes = lambda n, dtype: 16_060_000_000",
-        {"weight_bytes_bf16": 0, "square": 1},
+        {"weight_bytes_bf16": 0, "square": 0},
     ),
     "patch minillm in the answer": (
         {
@@ -268,6 +268,11 @@ CHEATS = {
         None,
         {"weight_bytes_bf16": 0, "square": 1},
     ),
+    "answer with the check's oracle": (
+        {"weight_bytes_bf16": "return reference_weight_bytes(n)", "square": SQUARE},
+        None,
+        {"weight_bytes_bf16": 2, "square": 1},
+    ),
     "an honest classmate": (
         {"weight_bytes_bf16": "return 2 * n", "square": SQUARE},
         None,
@@ -332,9 +337,12 @@ HONEST = {
     "    GiB = 2**30\n\n\ndef weight_bytes_bf16(n):\n    return 2 * n * GiB // GiB",
     "a %%time cell": "%%time\ndef weight_bytes_bf16(n):\n    return 2 * n\n\n\n"
     "print(weight_bytes_bf16(3))",
-    "torch imported": "import torch\n\n\ndef weight_bytes_bf16(n):\n"
-    "    return n * torch.finfo(torch.bfloat16).bits // 8",
 }
+# graded apart: the grading process imports torch first for it, which slows every check
+TORCH_ANSWER = (
+    "import torch\n\n\ndef weight_bytes_bf16(n):\n"
+    "    return n * torch.finfo(torch.bfloat16).bits // 8"
+)
 
 # what the student's process may do, printed by an answer that is right
 PROBE = """import os, resource, socket
@@ -449,11 +457,27 @@ def test_a_cheat_is_flagged_for_the_instructor(cheats, name):
     assert exercise.points == 0
 
 
+def test_an_answer_that_calls_the_oracle_is_flagged(cheats):
+    [flag] = cheats["grades"]["answer with the check's oracle"].exercises[0].flags
+    assert flag == "calls what the check compares with: reference_weight_bytes"
+
+
 @pytest.mark.parametrize("name", ["an honest classmate", *HONEST])
 def test_an_honest_answer_is_not_flagged(cheats, name):
     grade = cheats["grades"][name]
     assert grade.all_flags() == []
     assert all(not e.error or "Tampering" not in e.error for e in grade.exercises)
+
+
+def test_importing_torch_is_not_tampering(tmp_path):
+    released = released_fixture(tmp_path, CELLS)
+    nb = filled(released, {"square": SQUARE})
+    [cell] = [c for c in nb.cells if c.get("id") == "weight_bytes_bf16"]
+    cell.source = TORCH_ANSWER
+    path = write_notebook(tmp_path / "class" / "torch.ipynb", nb)
+    [grade], problems = grade_notebooks([path], tmp_path / "solutions" / "ex.ipynb")
+    assert problems == []
+    assert [e.points for e in grade.exercises] == [2, 1], grade.exercises[0].error
 
 
 def test_the_students_process_is_limited(cheats):
