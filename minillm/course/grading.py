@@ -7,19 +7,20 @@
 An exercise earns its points when its check cell (`# GRADED: N points`) runs without
 raising. The checks, the setup cells they rely on and the points come from the reference:
 the notebook given with `--reference` (a released exercise or its solution), or, without
-it, the notebook itself. From a submission, grading takes only the student's
-*definitions* (functions, classes, imports, constants) in the cells that answer the
-exercises: the cell whose id is the exercise's (ids derive from the exercise's name and
-survive re-releases), or else the cell that defines the function the exercise asks for.
-Edits to any other cell, check cells included, change nothing.
+it, the notebook itself (one notebook only: several need `--reference`). From a
+submission, grading runs the cells that answer the exercises (the cell whose id is the
+exercise's, as ids derive from the exercise's name and survive re-releases, or else the
+cell that defines the function the exercise asks for) and the student's own helper
+cells. Edits to any other cell, check cells included, change nothing.
 
-Each submission and exercise is checked in a process of its own, forked from one that
-ran only the reference's code (`minillm.course.sandbox`): a crash or a hang costs only
-that exercise, and one submission cannot reach another. Where Linux's Landlock is
-available that process can write only into a temporary folder of its own (holding a copy
-of the files beside the submission) and read only the Python installation, the
-installed packages and system folders. Checks run on the CPU (CUDA is hidden), so that
-every submission is graded on the same device.
+Each submission and exercise is checked by two processes forked from one that ran only
+the reference's code (`minillm.course.sandbox`): the check runs in one, the student's
+code in the other, and the check reaches the student's functions only through plain
+data (`minillm.course.remote`). A crash or a hang costs only that exercise, one
+submission cannot reach another, and nothing the student's process does turns a failed
+check into a pass. Checks run on the CPU (CUDA is hidden), so that every submission is
+graded on the same device. Flags point the instructor at answers to read: tampering,
+code no answer needs, an answer that is one call of its check's oracle, self-grading.
 
 A reference folder (such as `exercises/` or `solutions/`) holds one reference per
 chapter; a submission is matched to the one of the same file name, else to the one its

@@ -468,6 +468,11 @@ class Connection:
                 raise
             out, out_storages = [], {}
             reply = {"error": self._encode_exception(exc, out, out_storages)}
+        for stream in (sys.stdout, sys.stderr):  # the caller may end this process any time now
+            try:
+                stream.flush()
+            except Exception:
+                pass
         self._send(reply, out)
 
     # arguments written back

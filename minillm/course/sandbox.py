@@ -1,33 +1,42 @@
-"""Where grading runs the checks: a process that only runs the reference's code, and one
-child process per submission and exercise, in which the student's definitions meet the
-check.
+"""Where grading runs the checks: a process that only runs the reference's code, and for
+each submission and exercise two children, one that runs the check and one that runs the
+student's code.
 
 `python -I -m minillm.course.sandbox` reads a job (JSON, on stdin) and writes one event per
 line on stdout. The process runs the reference's setup cells (and the starters of its
 answer cells) in order, in a namespace of its own, as a notebook would. It never runs a
-line a student wrote. At each check cell it forks, for each submission, a child that:
+line a student wrote, and never reads one: each submission's cells are in a file that
+only that submission's processes open. At each check cell it forks, for each
+submission, a *check process* that
 
-1. moves into a fresh folder holding a copy of the files beside the submission, and, where
-   Linux's Landlock is available, confines itself so that it can write only there, read
-   only the Python installation, the installed packages and system folders, open no
-   network connection (unless the check cell carries the tag `network`: its processes talk
-   over TCP), and signal no other process;
-2. takes the student's *definitions* (def, class, import, and assignments of values that
-   call no code but a few builtins) from the student's cells up to this exercise, in a
-   copy of the namespace, so that the student's functions keep their own globals. Other
-   top-level statements (prints, tests, calls, IPython magics) are not run;
-3. runs the reference's check in the namespace with the student's new names added;
-   names the reference defines keep the reference's values;
-4. compares the modules the check relies on with a snapshot taken before the student's
-   code ran: a function, class or module attribute of minillm, kernels, hypothesis, the
-   standard library or torch rebound or changed, a table of minillm's changed, sys's hooks
-   replaced, or a value of the reference's namespace modified, fails the exercise.
+1. forks the *student's process*, which closes every inherited descriptor but its socket
+   to the check process, reads its own submission's cells, keeps a minimal environment,
+   sets resource limits (memory, CPU time, file size, processes), forbids network
+   sockets with seccomp unless the check cell carries the tag `network` (its processes
+   talk over TCP), and, where Linux's Landlock is available, confines itself so that it
+   can write only a fresh folder holding a copy of the files beside the submission, read
+   only the Python installation, the installed packages and system folders, and signal
+   no other process; then runs the student's cells up to this exercise, statement by
+   statement, in a copy of the setup's namespace;
+2. runs the reference's check in its own copy of the namespace, where each name the
+   student defined (other than the setup's names and Python's builtins) is a
+   `remote.Remote` of the student's object, or its value when it is plain data: the
+   student's functions run in the student's process, and only plain data comes back
+   (see `minillm.course.remote`);
+3. asks the student's process what its code changed of the modules the checks rely on
+   (a snapshot taken before the student's code ran: minillm, kernels, hypothesis, the
+   standard library, torch, sys's hooks, the setup's values); a change fails the
+   exercise as tampering;
+4. writes the verdict to the grading process: only this process holds that pipe, and
+   it is not dumpable, so that no process of the same user reads or writes its memory.
 
-A child that crashes or runs past its time limit loses only that exercise: the time
-limit kills its whole process group. The result of each child is reported as soon as it
-is decided. A function the check calls runs inside the child while the check runs, so
-code written to attack this process itself (reading the grader's memory, writing to its
-result pipe) is beyond what these measures stop: grade an exam inside a container.
+A check that watches the student's code from inside (a torch function mode, a library
+attribute replaced while the student's code runs, or the tag `student-process`) runs in
+the student's process instead, and its result says so: there, a pass can be forged.
+
+A crash or a hang loses only that exercise: the time limit kills the check process's
+whole process group, the student's process with it. The result of each child is reported
+as soon as it is decided.
 
 This module imports only the standard library: it is loaded in every grading process.
 """

@@ -505,7 +505,7 @@ def test_tampering_is_named(cheats):
 
 
 def test_a_hard_coded_answer_fails_on_hypothesiss_input(cheats):
-    exercise = cheats["grades"]["patch minillm at the top level"].exercises[0]
+    exercise = cheats["grades"]["redefine the setup's oracle in the answer"].exercises[0]
     assert exercise.input == "check(n=0)"
     assert exercise.checked == "assert weight_bytes_bf16(n) == reference_weight_bytes(n)"
     assert exercise.error == (
