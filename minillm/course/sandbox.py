@@ -1250,8 +1250,8 @@ def _crashed(grader: Grader, k: int, pid: int, when: str) -> dict:
         how = "it was gone"
     return {
         "passed": False,
-        "error": f"Crash: the process running your code for exercise {number} ended ({how}) "
-        f"{when}: an exit call, a crash in native code, or too much memory",
+        "error": f"Crash: the process checking exercise {number} ended ({how}) {when}: an exit "
+        "call, a crash in native code, or too much memory in your code",
     }
 
 
