@@ -71,8 +71,8 @@ from minillm.course import remote
 CELL_MAGICS_WITH_PYTHON_BODY = ("time", "timeit", "capture", "prun")
 
 
-def statements(code: str, filename: str) -> list[types.CodeType]:
-    """Each top-level statement of a cell compiled on its own (line numbers kept), so that
+def statements(code: str, filename: str) -> list[tuple[int, types.CodeType]]:
+    """(line, code) of each top-level statement of a cell, compiled on its own, so that
     one that raises costs only itself, as far as the rest of the cell does not need it.
 
     A cell that IPython turned into one cell-magic call (`%%time` and the like, whose body
@@ -84,7 +84,8 @@ def statements(code: str, filename: str) -> list[types.CodeType]:
         offset = code.count("\n", 0, code.index("run_cell_magic")) + 1
         tree = ast.parse("\n" * offset + body, filename)
     return [
-        compile(ast.Module(body=[node], type_ignores=[]), filename, "exec") for node in tree.body
+        (node.lineno, compile(ast.Module(body=[node], type_ignores=[]), filename, "exec"))
+        for node in tree.body
     ]
 
 
@@ -1089,11 +1090,10 @@ def _student(grader: Grader, k: int, submission: dict, workdir: str, sock, check
             compiled = statements(cell["source"], cell["filename"])
         except SyntaxError:
             continue  # reported by the caller
-        for statement in compiled:
+        for line, statement in compiled:
             try:
                 exec(statement, student)
             except Exception as exc:
-                line = statement.co_firstlineno
                 notes.append(f"{cell['filename'][1:-1]}, line {line}: {_one_line(exc)}")
     protected = set(setup) - grader.functions
     names = {}
