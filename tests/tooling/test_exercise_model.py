@@ -3,8 +3,6 @@ taken from them, and the feedback of a failed check. No process is started here.
 
 from __future__ import annotations
 
-import ast
-
 import nbformat
 import pytest
 from hypothesis import given, settings
