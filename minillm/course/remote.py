@@ -456,7 +456,7 @@ class Connection:
             kwargs = {k: self.decode(v, blobs, storages) for k, v in header["kwargs"].items()}
             value = _OPS[header["op"]](target, *args, **kwargs)
             if header["op"] == "call":
-                reply["after"] = self._after(args, kwargs, out, out_storages)
+                reply["after"] = self._after(args, kwargs, header, blobs, out, out_storages)
             if self.trusted and header["op"] == "getattr" and _holds_objects(value):
                 # a structure of the check's objects (a tree's children): the student's code
                 # changes the check's, not a copy
@@ -488,17 +488,21 @@ class Connection:
             or (torch is not None and type(value) is torch.Generator)
         )
 
-    def _after(self, args, kwargs, blobs, storages) -> dict:
-        return {
-            "args": {
-                str(i): self.encode(a, blobs, storages)
-                for i, a in enumerate(args)
-                if self._mutable(a)
-            },
-            "kwargs": {
-                k: self.encode(v, blobs, storages) for k, v in kwargs.items() if self._mutable(v)
-            },
-        }
+    def _after(self, args, kwargs, header, received, blobs, storages) -> dict:
+        """The mutable arguments as the call left them, those it changed only."""
+        after: dict = {"args": {}, "kwargs": {}}
+        pairs = [("args", str(i), a, header["args"][i]) for i, a in enumerate(args)]
+        pairs += [("kwargs", k, v, header["kwargs"][k]) for k, v in kwargs.items()]
+        for where, key, value, sent in pairs:
+            if not self._mutable(value):
+                continue
+            own: list[bytes] = []
+            node = self.encode(value, own, {})
+            if _canonical(node, own) == _canonical(sent, received):
+                continue
+            after[where][key] = _shift(node, len(blobs))
+            blobs.extend(own)
+        return after
 
     def _write_back(self, args, kwargs, after, blobs, storages) -> None:
         pairs = [(args[int(i)], v) for i, v in after.get("args", {}).items() if int(i) < len(args)]
@@ -580,6 +584,44 @@ class Connection:
             except Exception:
                 pass
         return exc
+
+
+_BLOB_TAGS = {"T": 4, "A": 2, "ns": 1, "b": None, "gen": None}
+
+
+def _walk_blobs(node, change):
+    """A copy of an encoded value whose blob indices went through change(index)."""
+    if isinstance(node, list):
+        return [_walk_blobs(n, change) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in _BLOB_TAGS and _BLOB_TAGS[key] is None and type(value) is int:
+            out[key] = change(value)
+        elif key in _BLOB_TAGS and isinstance(value, list):
+            position = _BLOB_TAGS[key]
+            value = list(value)
+            value[position] = change(value[position])
+            out[key] = value
+        else:
+            out[key] = _walk_blobs(value, change)
+    return out
+
+
+def _canonical(node, blobs) -> tuple:
+    """An encoded value with the bytes it refers to, independent of where those sit."""
+    used: list[bytes] = []
+
+    def take(index):
+        used.append(blobs[index])
+        return len(used) - 1
+
+    return json.dumps(_walk_blobs(node, take), sort_keys=True), used
+
+
+def _shift(node, offset: int):
+    return _walk_blobs(node, lambda index: index + offset)
 
 
 _DATA = (type(None), bool, int, float, complex, str, bytes, tuple, frozenset)
