@@ -302,7 +302,7 @@ def _environment(workdir: str) -> dict[str, str]:
 # libraries the chapters use whose import rebinds attributes of the standard library: when
 # a submission imports one, the grading process imports it first, so that the import is
 # not taken for tampering
-PREIMPORTED = ("torch", "numpy", "triton", "transformers", "scipy")
+PREIMPORTED = ("torch", "numpy", "transformers", "scipy")
 
 
 def _imports(code: StudentCode) -> set[str]:
