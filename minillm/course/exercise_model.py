@@ -45,6 +45,10 @@ STUB_LINES = ("# YOUR CODE HERE", STUB_RAISE)
 METADATA_KEY = "minillm"
 TIMING_TAG = "timing"  # a check cell with this tag runs alone when grading in parallel
 NETWORK_TAG = "network"  # a check cell with this tag may open TCP sockets (collectives on loopback)
+# a check cell with this tag runs in the student's process: the student's code must work on
+# the live objects the check builds (trace an engine's operations, say), which a copy or a
+# reference from another process cannot stand for
+STUDENT_PROCESS_TAG = "student-process"
 
 _HEADING = re.compile(r"^#+\s*Exercise\s+(\d+)\s*[:.]?\s*(.*?)\s*(?:\(\d+\s+points?\))?\s*$")
 _HEADING_NUMBER = re.compile(r"\bExercise\s+\d+")
@@ -140,6 +144,7 @@ class Exercise:
     statement: str  # the markdown cells from its heading to its check, joined ("": no heading)
     timing: bool  # the check measures time: it runs alone
     network: bool = False  # the check starts processes that talk over TCP (torch.distributed)
+    student_process: bool = False  # the check runs in the student's process (see the tag)
 
     @property
     def label(self) -> str:
@@ -311,6 +316,7 @@ def parse_exercises(nb: nbformat.NotebookNode) -> ExerciseSet:
                     statement="\n\n".join(statement),
                     timing=TIMING_TAG in cell.metadata.get("tags", []),
                     network=NETWORK_TAG in cell.metadata.get("tags", []),
+                    student_process=STUDENT_PROCESS_TAG in cell.metadata.get("tags", []),
                 )
             )
             steps.append(Step("check", index, python_source(cell.source), len(exercises) - 1))

