@@ -16,7 +16,7 @@ import torch
 from minillm import LLM, SamplingParams
 
 from .conftest import ROOT
-from .exercise_checks import ExerciseChecks
+from .exercise_checks import ExerciseChecks, FromNamespace
 
 TARGET, DRAFT = "minillm-stdlib-target", "minillm-stdlib-draft"
 
@@ -322,6 +322,42 @@ def stream_with(rule):
     return stream_text
 
 
+# -- exercise 12: a regex compiled to a DFA -----------------------------------------------
+
+
+def dfa_with(rule):
+    """A wrong compile_dfa built on the notebook's own (correct) one."""
+
+    def factory(namespace):
+        compile_dfa = namespace["compile_dfa"]
+
+        def wrong(pattern):
+            if rule == "star as plus":
+                return compile_dfa(pattern.replace("*", "+"))
+            if rule == "optional as star":
+                return compile_dfa(pattern.replace("?", "*"))
+            if rule == "hard-coded":
+                return compile_dfa("ab|c")
+            transitions, accepting = compile_dfa(pattern)
+            if rule == "empty text never accepted":
+                return transitions, accepting - {0}
+            if rule == "only the last state accepts":
+                return transitions, {len(transitions) - 1}
+            if rule == "dead state kept":
+                # the empty subset kept as a state that every missing transition leads to
+                alphabet = sorted({ch for ch in pattern if ch.isalnum()})
+                dead = len(transitions)
+                transitions = [{ch: t.get(ch, dead) for ch in alphabet} for t in transitions]
+                return [*transitions, dict.fromkeys(alphabet, dead)], accepting
+            if rule == "a dict of states":
+                return dict(enumerate(transitions)), accepting
+            raise ValueError(rule)
+
+        return wrong
+
+    return FromNamespace(factory)
+
+
 WRONG_ANSWERS = {
     "top_p_filter": {
         "drops the token that crosses top_p": top_p(rule="excludes the crossing token"),
@@ -409,11 +445,20 @@ WRONG_ANSWERS = {
         "everything at the end": stream_with("all at the end"),
         "a tuple": stream_with("a tuple"),
     },
+    "compile_dfa": {
+        "* as one or more": dfa_with("star as plus"),
+        "? as zero or more": dfa_with("optional as star"),
+        "the empty text never accepted": dfa_with("empty text never accepted"),
+        "only the last state accepts": dfa_with("only the last state accepts"),
+        "dead state kept": dfa_with("dead state kept"),
+        "hard-coded": dfa_with("hard-coded"),
+        "a dict of states": dfa_with("a dict of states"),
+    },
 }
 
 
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch07_decoding.ipynb"
     EXERCISE = ROOT / "exercises" / "ch07_decoding.ipynb"
-    POINTS = [3, 2, 2, 4, 2, 3, 3, 3, 3, 3, 2]
+    POINTS = [3, 2, 2, 4, 2, 3, 3, 3, 3, 3, 2, 6]
     WRONG_ANSWERS = WRONG_ANSWERS
