@@ -433,14 +433,16 @@ def plan_quant_matmul(
     return MatmulPlan(kernel, block_m, block_n, block_k, num_warps, num_stages, split_k)
 
 
-def _launch(x, weight, scales, n: int, weight_bits: int, group_size: int | None):
+def _launch(
+    x, weight, scales, n: int, weight_bits: int, group_size: int | None, out_dtype: torch.dtype
+):
     """Follow the plan: launch, then add up the split-K partial sums."""
     m, k = x.shape
     plan = plan_quant_matmul(m, n, k, x.element_size(), weight_bits, group_size, x.device)
     # partial sums in float32, added in a fixed order afterwards: deterministic, no atomics
     split_k = plan.split_k
     out = torch.empty(
-        split_k, m, n, dtype=x.dtype if split_k == 1 else torch.float32, device=x.device
+        split_k, m, n, dtype=out_dtype if split_k == 1 else torch.float32, device=x.device
     )
     args = (x, weight, scales, out, m, n, k)
     launch = dict(num_warps=plan.num_warps, num_stages=plan.num_stages, SPLIT_K=split_k)
@@ -464,7 +466,7 @@ def _launch(x, weight, scales, n: int, weight_bits: int, group_size: int | None)
             _w4a16_kernel[grid](*args, DOT_FP32=dot_fp32, GROUP_SIZE=group_size, **tiles, **launch)
     if split_k == 1:
         return out[0]
-    result = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    result = torch.empty(m, n, dtype=out_dtype, device=x.device)
     _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
         out, result, m * n, SPLIT_K=split_k, BLOCK=SUM_BLOCK, num_warps=4
     )
@@ -480,7 +482,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -
     n = qweight.shape[0]
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=x.dtype, device=x.device)
-    return _launch(x, qweight, scales, n, 8, None)
+    return _launch(x, qweight, scales, n, 8, None, x.dtype)
 
 
 def w4a16_matmul(
@@ -488,10 +490,13 @@ def w4a16_matmul(
     packed: torch.Tensor,
     scales: torch.Tensor,
     group_size: int = DEFAULT_GROUP_SIZE,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x: [M, K] float16/bfloat16 (float32 for testing); packed: [N, K / 2] uint8 from
     `quantize_w4`; scales: [K / group_size, N] in x's dtype; group_size: a power of two,
-    32 to 256 -> [M, N] in x's dtype."""
+    32 to 256 -> [M, N] in out_dtype (default x's dtype). out_dtype=torch.float32 returns the
+    float32 accumulator unrounded, for a caller that still subtracts a correction from it (the
+    zero points of an asymmetric grid) and should round only once."""
     _check_activations(x)
     m, k = x.shape
     if group_size not in (32, 64, 128, 256):
@@ -500,9 +505,12 @@ def w4a16_matmul(
         raise ValueError(f"x's K ({k}) must be a multiple of group_size ({group_size})")
     _check_matmul_inputs(x, "packed", packed, torch.uint8, k // 2, scales, k // group_size)
     n = packed.shape[0]
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be x's dtype or torch.float32, got {out_dtype}")
     if m == 0 or n == 0 or k == 0:
-        return torch.zeros(m, n, dtype=x.dtype, device=x.device)
-    return _launch(x, packed, scales, n, 4, group_size)
+        return torch.zeros(m, n, dtype=out_dtype, device=x.device)
+    return _launch(x, packed, scales, n, 4, group_size, out_dtype)
 
 
 def w8a16_matmul_reference(

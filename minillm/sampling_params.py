@@ -138,8 +138,9 @@ class BeamSearchParams:
 class SamplingParams:
     """Per-request sampling and stopping options.
 
-    The sampler applies them in vLLM's order: penalties on the raw logits, then temperature,
+    The sampler applies them in vLLM V0's order: penalties on the raw logits, then temperature,
     then the top-k, top-p and min-p filters, then one random draw (or argmax when greedy).
+    vLLM V1 applies min-p before top-k and top-p; the two differ when min-p and top-p are set.
 
     Where minillm is stricter than vLLM, it is so that every accepted value works in the
     sampler: temperature <= FLOAT32_MAX, repetition_penalty in [0.01, 100], top_k <= 2**31 - 1,

@@ -1,6 +1,7 @@
 """The sampler: one batch of logits in, one token per row out.
 
-Each step of a row is a chain of logits processors followed by one draw, in vLLM's order:
+Each step of a row is a chain of logits processors followed by one draw, in vLLM V0's order
+(vLLM V1 runs min-p right after temperature, before top-k and top-p):
 
     raw logits -> grammar mask -> min_tokens mask -> penalties -> temperature -> top-k -> top-p
            -> min-p -> sample

@@ -120,22 +120,50 @@ def unpacker(order=range(8), transpose=True):
     return unpack_gptq
 
 
-# -- exercise 4: one GPTQ column ----------------------------------------------------------
+# -- exercise 4: GPTQ with each group's grid chosen on arrival ----------------------------
 
 
-def column(divide=True, sign=1, update=True, use_row=True, zero_sign=1, in_place=False):
-    def gptq_column(W, U, i, s_i, z_i):
-        q = (torch.round(W[:, i] / s_i) + zero_sign * z_i).clamp(0, 15)
-        err = W[:, i] - s_i * (q - z_i)
-        if divide:
-            err = err / U[i, i]
-        out = W if in_place else W.clone()
-        if update:
-            direction = U[i, i + 1 :] if use_row else U[i + 1 :, i]
-            out[:, i + 1 :] -= sign * err[:, None] * direction[None, :]
-        return q.to(torch.int32), out
+def gptq_with(rule):
+    """A wrong gptq_dynamic, built on the notebook's own quantize_groups."""
 
-    return gptq_column
+    def factory(namespace):
+        quantize_groups = namespace["quantize_groups"]
+
+        def gptq_dynamic(w, H, group_size):
+            n, k = w.shape
+            H = H.clone()
+            if rule != "no dampening":
+                H.diagonal().add_(0.01 * H.diagonal().mean())
+            inverse = (
+                H
+                if rule == "feedback weighted by H"
+                else torch.cholesky_inverse(torch.linalg.cholesky(H))
+            )
+            U = torch.linalg.cholesky(inverse, upper=True)
+            W = w if rule == "modifies w" else w.clone()
+            codes = torch.zeros(n, k, dtype=torch.int32)
+            scales, zeros = [], []
+            for i in range(k):
+                if i % group_size == 0:
+                    source = w if rule == "static groups" else W
+                    _, s_g, z_g = quantize_groups(source[:, i : i + group_size], group_size, 4)
+                    scales.append(s_g)
+                    zeros.append(z_g)
+                    s, z = s_g[:, 0].double(), z_g[:, 0].double()
+                q = (torch.round(W[:, i] / s) + z).clamp(0, 15)
+                codes[:, i] = q.to(torch.int32)
+                err = W[:, i] - s * (q - z)
+                if rule != "error not divided by U_ii":
+                    err = err / U[i, i]
+                if rule == "no error feedback":
+                    continue
+                W[:, i + 1 :] -= err[:, None] * U[i, i + 1 :][None, :]
+            out = codes, torch.cat(scales, dim=1), torch.cat(zeros, dim=1)
+            return list(out) if rule == "a list" else out
+
+        return gptq_dynamic
+
+    return FromNamespace(factory)
 
 
 # -- exercise 5: FP8 scale ----------------------------------------------------------------
@@ -321,6 +349,33 @@ def front(kind):
     return pareto_front
 
 
+# -- exercise 13: a W4A16 kernel (the wrong answers in PyTorch: the check sees only y) -----
+
+
+def w4a16_with(rule):
+    def w4a16_matmul(x, qweight, scales, zeros, group_size):
+        words = qweight.to(torch.int64)
+        if rule != "no mask after a signed shift":
+            words = words % 2**32
+        order = torch.arange(8) if rule != "nibbles in reverse order" else torch.arange(7, -1, -1)
+        q = words[:, None, :] >> (4 * order)[None, :, None]
+        if rule != "no mask after a signed shift":
+            q = q & 0xF
+        q = q.reshape(-1, qweight.shape[1]).T.float()  # [N, K]
+        k = q.shape[1]
+        g = torch.arange(k) // (8 if rule == "group of each packed word" else group_size)
+        g = g.clamp(max=scales.shape[1] - 1)
+        z = torch.full_like(q, 8.0) if rule == "symmetric: zero point 8" else zeros[:, g]
+        w_hat = scales[:, g] * (q + z if rule == "zero point added" else q - z)
+        if rule == "modifies x":
+            x.mul_(1.0)
+            x[0, 0] += 1.0
+        y = x @ w_hat.T
+        return y.T.contiguous() if rule == "[N, M]" else y
+
+    return w4a16_matmul
+
+
 WRONG_ANSWERS = {
     "quantize_groups": {
         "a scale per tensor": grid("tensor"),
@@ -349,13 +404,14 @@ WRONG_ANSWERS = {
         "highest nibble first": unpacker(order=range(7, -1, -1)),
         "[K, N], not transposed back": unpacker(transpose=False),
     },
-    "gptq_column": {
-        "error not divided by U_ii": column(divide=False),
-        "error added": column(sign=-1),
-        "no update (round to nearest)": column(update=False),
-        "column of U instead of row": column(use_row=False),
-        "zero point subtracted": column(zero_sign=-1),
-        "modifies W": column(in_place=True),
+    "gptq_dynamic": {
+        "static groups (grid from the original w)": gptq_with("static groups"),
+        "no error feedback (round to nearest)": gptq_with("no error feedback"),
+        "no dampening": gptq_with("no dampening"),
+        "feedback weighted by H, not its inverse": gptq_with("feedback weighted by H"),
+        "error not divided by U_ii": gptq_with("error not divided by U_ii"),
+        "modifies w": gptq_with("modifies w"),
+        "a list": gptq_with("a list"),
     },
     "fp8_quantize": {
         "scale for 240 (fnuz)": fp8(top=240.0),
@@ -396,6 +452,7 @@ WRONG_ANSWERS = {
         "inverted": lambda a, w, alpha: (
             w.clamp(min=1e-5).pow(1 - alpha) / a.clamp(min=1e-5).pow(alpha)
         ),
+        "no clamp": lambda a, w, alpha: a.float().pow(alpha) / w.float().pow(1 - alpha),
     },
     "perplexity_from_logits": {
         "mean of exp": ppl("mean of exp"),
@@ -415,11 +472,20 @@ WRONG_ANSWERS = {
         "a set": front("a set"),
         "modifies points": front("modifies"),
     },
+    "w4a16_matmul": {
+        "symmetric: zero point 8": w4a16_with("symmetric: zero point 8"),
+        "zero point added": w4a16_with("zero point added"),
+        "nibbles in reverse order": w4a16_with("nibbles in reverse order"),
+        "no mask after a signed shift": w4a16_with("no mask after a signed shift"),
+        "group of each packed word": w4a16_with("group of each packed word"),
+        "[N, M]": w4a16_with("[N, M]"),
+        "modifies x": w4a16_with("modifies x"),
+    },
 }
 
 
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch06_quantization.ipynb"
     EXERCISE = ROOT / "exercises" / "ch06_quantization.ipynb"
-    POINTS = [3, 2, 3, 4, 3, 3, 3, 3, 2, 2, 3, 2]
+    POINTS = [3, 2, 3, 5, 3, 3, 3, 3, 2, 2, 3, 2, 5]
     WRONG_ANSWERS = WRONG_ANSWERS

@@ -16,7 +16,7 @@ import torch
 from minillm import LLM, SamplingParams
 
 from .conftest import ROOT
-from .exercise_checks import ExerciseChecks
+from .exercise_checks import ExerciseChecks, FromNamespace
 
 TARGET, DRAFT = "minillm-stdlib-target", "minillm-stdlib-draft"
 
@@ -49,14 +49,15 @@ def top_p(rule="strictly above", normalize=True, in_place=False, as_list=False):
     return top_p_filter
 
 
-def min_p(relative_to_max=True, normalize=True, in_place=False, as_list=False):
+def min_p(relative_to_max=True, strict=False, normalize=True, in_place=False, as_list=False):
     def min_p_filter(probs, min_p):
         cutoff = min_p * probs.max() if relative_to_max else min_p
+        keep = probs > cutoff if strict else probs >= cutoff
         if in_place:
-            probs[probs < cutoff] = 0
+            probs[~keep] = 0
             kept = probs
         else:
-            kept = torch.where(probs >= cutoff, probs, torch.zeros_like(probs))
+            kept = torch.where(keep, probs, torch.zeros_like(probs))
         out = kept / kept.sum() if normalize else kept
         return out.tolist() if as_list else out
 
@@ -100,14 +101,23 @@ def correct_residual(p, q):
 # -- exercise 4: one round of speculative sampling ----------------------------------------
 
 
-def spec_step(accept="ratio", on_reject="residual", bonus=True, as_tensor=False, mutate=False):
+def spec_step(
+    accept="ratio",
+    on_reject="residual",
+    bonus="p",
+    rows="same",
+    uniform="each",
+    as_tensor=False,
+    mutate=False,
+):
     def speculative_step(p, q, drafts, generator):
-        out = []
+        out, k = [], len(drafts)
+        round_u = torch.rand(1, generator=generator).item() if uniform == "round" else None
         for j, d in enumerate(drafts):
-            if accept == "ratio":
-                ok = torch.rand(1, generator=generator).item() * q[j, d] < p[j, d]
-            else:  # accept exactly when the target likes the token at least as much
-                ok = bool(p[j, d] >= q[j, d])
+            # the target row draft j is checked against
+            pj = {"same": p[j], "next": p[min(j + 1, k)], "first": p[0]}[rows]
+            u = round_u if uniform == "round" else torch.rand(1, generator=generator).item()
+            ok = u * q[j, d] < pj[d] if accept == "ratio" else bool(pj[d] >= q[j, d])
             if ok:
                 out.append(d)
                 continue
@@ -115,13 +125,26 @@ def spec_step(accept="ratio", on_reject="residual", bonus=True, as_tensor=False,
                 r = p[j].sub_(q[j]).clamp_(min=0)
                 r = r / r.sum() if r.sum() > 0 else q[j]
             elif on_reject == "residual":
-                r = correct_residual(p[j], q[j])
+                r = correct_residual(pj, q[j])
+            elif on_reject == "q minus p":
+                r = (q[j] - pj).clamp_min(0)
+                r = pj if r.sum() <= 0 else r
+            elif on_reject == "unnormalized inverse cdf":
+                # inverse-CDF sampling on max(0, p - q) without dividing by its sum
+                r = (pj - q[j]).clamp_min(0)
+                u = torch.rand(1, generator=generator, dtype=r.dtype)
+                out.append(int(torch.searchsorted(r.cumsum(0), u).clamp_max(len(r) - 1)))
+                return torch.tensor(out) if as_tensor else out
             else:
-                r = p[j]
+                r = pj
             out.append(int(torch.multinomial(r, 1, generator=generator)))
             return torch.tensor(out) if as_tensor else out
-        if bonus:
-            out.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
+        if bonus == "p":
+            out.append(int(torch.multinomial(p[k], 1, generator=generator)))
+        elif bonus == "q":
+            out.append(int(torch.multinomial(q[k - 1], 1, generator=generator)))
+        elif bonus == "argmax":
+            out.append(int(p[k].argmax()))
         return torch.tensor(out) if as_tensor else out
 
     return speculative_step
@@ -299,6 +322,42 @@ def stream_with(rule):
     return stream_text
 
 
+# -- exercise 12: a regex compiled to a DFA -----------------------------------------------
+
+
+def dfa_with(rule):
+    """A wrong compile_dfa built on the notebook's own (correct) one."""
+
+    def factory(namespace):
+        compile_dfa = namespace["compile_dfa"]
+
+        def wrong(pattern):
+            if rule == "star as plus":
+                return compile_dfa(pattern.replace("*", "+"))
+            if rule == "optional as star":
+                return compile_dfa(pattern.replace("?", "*"))
+            if rule == "hard-coded":
+                return compile_dfa("ab|c")
+            transitions, accepting = compile_dfa(pattern)
+            if rule == "empty text never accepted":
+                return transitions, accepting - {0}
+            if rule == "only the last state accepts":
+                return transitions, {len(transitions) - 1}
+            if rule == "dead state kept":
+                # the empty subset kept as a state that every missing transition leads to
+                alphabet = sorted({ch for ch in pattern if ch.isalnum()})
+                dead = len(transitions)
+                transitions = [{ch: t.get(ch, dead) for ch in alphabet} for t in transitions]
+                return [*transitions, dict.fromkeys(alphabet, dead)], accepting
+            if rule == "a dict of states":
+                return dict(enumerate(transitions)), accepting
+            raise ValueError(rule)
+
+        return wrong
+
+    return FromNamespace(factory)
+
+
 WRONG_ANSWERS = {
     "top_p_filter": {
         "drops the token that crosses top_p": top_p(rule="excludes the crossing token"),
@@ -310,6 +369,7 @@ WRONG_ANSWERS = {
     },
     "min_p_filter": {
         "min_p as an absolute cutoff": min_p(relative_to_max=False),
+        "strictly above the cutoff": min_p(strict=True),
         "not renormalized": min_p(normalize=False),
         "hard-coded": hard_coded_min_p,
         "a list": min_p(as_list=True),
@@ -325,7 +385,14 @@ WRONG_ANSWERS = {
     "speculative_step": {
         "accepts when p >= q only": spec_step(accept="threshold"),
         "forgets the residual": spec_step(on_reject="target"),
-        "skips the bonus token": spec_step(bonus=False),
+        "skips the bonus token": spec_step(bonus=None),
+        "bonus token from the last draft row": spec_step(bonus="q"),
+        "bonus token is the argmax of p[k]": spec_step(bonus="argmax"),
+        "off by one: draft j against p[j + 1]": spec_step(rows="next"),
+        "every draft against p[0]": spec_step(rows="first"),
+        "one uniform for the whole round": spec_step(uniform="round"),
+        "residual max(0, q - p)": spec_step(on_reject="q minus p"),
+        "residual not normalized (inverse CDF)": spec_step(on_reject="unnormalized inverse cdf"),
         "always the argmax": always_the_argmax,
         "a tensor": spec_step(as_tensor=True),
         "modifies p": spec_step(mutate=True),
@@ -378,11 +445,20 @@ WRONG_ANSWERS = {
         "everything at the end": stream_with("all at the end"),
         "a tuple": stream_with("a tuple"),
     },
+    "compile_dfa": {
+        "* as one or more": dfa_with("star as plus"),
+        "? as zero or more": dfa_with("optional as star"),
+        "the empty text never accepted": dfa_with("empty text never accepted"),
+        "only the last state accepts": dfa_with("only the last state accepts"),
+        "dead state kept": dfa_with("dead state kept"),
+        "hard-coded": dfa_with("hard-coded"),
+        "a dict of states": dfa_with("a dict of states"),
+    },
 }
 
 
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch07_decoding.ipynb"
     EXERCISE = ROOT / "exercises" / "ch07_decoding.ipynb"
-    POINTS = [3, 2, 2, 4, 2, 3, 3, 3, 3, 3, 2]
+    POINTS = [3, 2, 2, 4, 2, 3, 3, 3, 3, 3, 2, 6]
     WRONG_ANSWERS = WRONG_ANSWERS

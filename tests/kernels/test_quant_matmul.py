@@ -156,6 +156,14 @@ def test_w4a16_worked_example():
     # y = 0.2 * (31 * 4 - 7) = 23.4
     out = w4a16_matmul(x, packed.to(DEVICE), scales.to(DEVICE), 32)
     torch.testing.assert_close(out.cpu(), torch.tensor([[23.4]]))
+    # bfloat16 activations: by default the output is rounded to bfloat16 (23.375); with
+    # out_dtype=float32 it is the float32 accumulator itself
+    x16 = x.to(torch.bfloat16)
+    s16 = scales.to(DEVICE, torch.bfloat16)  # 0.2 rounds to 0.2002 in bfloat16
+    assert float(w4a16_matmul(x16, packed.to(DEVICE), s16, 32)) == 23.375
+    exact = w4a16_matmul(x16, packed.to(DEVICE), s16, 32, out_dtype=torch.float32)
+    assert exact.dtype == torch.float32
+    torch.testing.assert_close(exact.cpu(), 117 * s16.float().cpu(), atol=1e-5, rtol=0)
 
 
 def quantized(kind):
@@ -164,7 +172,7 @@ def quantized(kind):
         qweight, scales = quantize_w8(weight)
         return w8a16_matmul, dict(x=x, qweight=qweight, scales=scales)
     packed, scales = quantize_w4(weight, 32)
-    return w4a16_matmul, dict(x=x, packed=packed, scales=scales, group_size=32)
+    return w4a16_matmul, dict(x=x, packed=packed, scales=scales, group_size=32, out_dtype=None)
 
 
 @pytest.mark.parametrize(
@@ -184,6 +192,12 @@ def quantized(kind):
         ("w4", "scales", lambda t: t.T.contiguous(), r"scales must have shape \[2, 16\]"),
         ("w4", "group_size", lambda g: 48, "group_size must be 32, 64, 128 or 256"),
         ("w4", "group_size", lambda g: 128, r"x's K \(64\) must be a multiple of group_size"),
+        (
+            "w4",
+            "out_dtype",
+            lambda d: torch.float16,
+            "out_dtype must be x's dtype or torch.float32",
+        ),
     ],
 )
 def test_bad_input_is_rejected_before_launch(kind, name, change, message):

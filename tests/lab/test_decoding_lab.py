@@ -107,6 +107,21 @@ def test_verification_slowdown_is_one_when_bandwidth_bound_and_grows_with_batch(
     assert 1.2 < large <= 5.0
 
 
+def test_long_contexts_keep_speculation_profitable_at_large_batch():
+    """Chapter 7's batch figure: with 1,024-token contexts the KV reads keep verification
+    memory-bound and the speed-up above 1 up to batch 512; with 128-token contexts it is not."""
+    config, h100 = get_model_config("Llama 3.1 8B"), get_device("H100 SXM")
+    tokens = decoding.expected_accepted_length(0.7, 4)
+
+    def speedup(batch, context_len):
+        return tokens / (decoding.verification_slowdown(config, h100, batch, 4, context_len) + 0.2)
+
+    batches = [2**i for i in range(10)]
+    assert min(speedup(b, 1024) for b in batches) > 1
+    assert speedup(512, 1024) < speedup(1, 1024)
+    assert speedup(1, 128) > 1 > speedup(512, 128)
+
+
 def test_utf8_pieces_hold_back_partial_characters():
     emoji = "🙂".encode()
     pieces = decoding.utf8_pieces([b"caf", b"\xc3", b"\xa9!", emoji[:2], emoji[2:]])

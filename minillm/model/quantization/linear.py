@@ -199,13 +199,14 @@ class Int4Linear(QuantizedLinear):
     def forward_kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_perm is not None:
             x = x[:, self.input_perm].contiguous()
-        y = w4a16_matmul(x, self.packed, self.scales, self.group_size)
         if self.zero_offsets is None:
-            return y
+            return w4a16_matmul(x, self.packed, self.scales, self.group_size)
+        # the zero-point term is subtracted from the float32 accumulator, rounded once after
+        y = w4a16_matmul(x, self.packed, self.scales, self.group_size, out_dtype=torch.float32)
         num_groups = self.in_features // self.group_size
         group_sums = x.float().view(x.shape[0], num_groups, self.group_size).sum(dim=2)  # [M, G]
         correction = group_sums @ (self.scales.float() * self.zero_offsets.float())
-        return (y.float() - correction).to(x.dtype)
+        return (y - correction).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
