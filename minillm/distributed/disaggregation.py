@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from minillm.core.scheduler import SchedulerOutput
+from minillm.distributed.parallel_state import in_collective
 from minillm.model.loader import load_model
 from minillm.outputs import SampledToken
 from minillm.worker.model_runner import ModelRunner
@@ -136,7 +137,8 @@ class DisaggregatedWorker:
         index = torch.tensor(blocks, device=self.runner.device)
         payload = torch.stack([cache.index_select(1, index) for cache in self.runner.kv_caches])
         start = time.perf_counter()
-        dist.send(payload, DECODE_RANK)
+        with in_collective():
+            dist.send(payload, DECODE_RANK)
         seconds = time.perf_counter() - start
         num_bytes = payload.numel() * payload.element_size()
         self.transfers.append(KVTransferRecord(request_id, step, len(blocks), num_bytes, seconds))
@@ -145,7 +147,8 @@ class DisaggregatedWorker:
         caches = self.runner.kv_caches
         shape = (len(caches), 2, len(blocks), *caches[0].shape[2:])
         payload = torch.empty(shape, dtype=caches[0].dtype, device=self.runner.device)
-        dist.recv(payload, PREFILL_RANK)
+        with in_collective():
+            dist.recv(payload, PREFILL_RANK)
         index = torch.tensor(blocks, device=self.runner.device)
         for layer, cache in enumerate(caches):
             cache.index_copy_(1, index, payload[layer])
