@@ -449,3 +449,30 @@ def test_all_reduce_runs_over_two_processes():
     assert all(t > 0 for t in timing.min_s)
     with pytest.raises(ValueError, match="multiples of 4"):
         collective_bench.measure_all_reduce([3])
+
+
+def _visible_gpus(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_ranks_fall_back_to_cpu_processes_on_one_gpu(monkeypatch):
+    from minillm.distributed.parallel_state import ranks_device
+    from minillm.engine.args import EngineArgs
+
+    _visible_gpus(monkeypatch, 1)  # Colab's GPU runtime
+    device, why = ranks_device(2)
+    assert device == "cpu" and "gloo" in why and "1 GPU is visible" in why
+    # what the chapter's disaggregation run builds on that machine is accepted
+    EngineArgs(device=device, kv_transfer_config={"kv_connector": "TorchDistributedConnector"})
+    _visible_gpus(monkeypatch, 2)
+    assert ranks_device(2) == ("cuda", "2 GPUs over NCCL")
+    assert ranks_device(4)[0] == "cpu"
+    _visible_gpus(monkeypatch, 0)
+    assert ranks_device(2) == ("cpu", "2 CPU processes over gloo (no GPU visible)")
+
+
+def test_all_reduce_measures_cpu_processes_with_one_gpu(monkeypatch):
+    _visible_gpus(monkeypatch, 1)
+    timing = collective_bench.measure_all_reduce([4096], world_size=2, repeats=1)
+    assert timing.backend == "gloo" and "1 GPU is visible" in timing.where

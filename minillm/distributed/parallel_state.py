@@ -156,6 +156,22 @@ def max_world_size(device_type: str) -> int:
     return os.cpu_count() or 1
 
 
+def ranks_device(world_size: int) -> tuple[str, str]:
+    """Where `world_size` ranks of a demonstration run: ("cuda", why) with a GPU per rank,
+    else ("cpu", why): CPU processes over gloo. NCCL needs one GPU per rank, so a one-GPU
+    machine (Colab's GPU runtime) runs multi-rank demonstrations on its CPU instead of
+    failing; `why` says which was chosen and why, for the caller to print."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= world_size:
+        return "cuda", f"{world_size} GPUs over NCCL"
+    if gpus:
+        return "cpu", (
+            f"{world_size} CPU processes over gloo: NCCL needs a GPU per rank and "
+            f"{gpus} GPU{'s' if gpus > 1 else ''} {'are' if gpus > 1 else 'is'} visible"
+        )
+    return "cpu", f"{world_size} CPU processes over gloo (no GPU visible)"
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that nobody listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
