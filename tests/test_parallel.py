@@ -476,3 +476,23 @@ def test_all_reduce_measures_cpu_processes_with_one_gpu(monkeypatch):
     _visible_gpus(monkeypatch, 1)
     timing = collective_bench.measure_all_reduce([4096], world_size=2, repeats=1)
     assert timing.backend == "gloo" and "1 GPU is visible" in timing.where
+
+
+def test_remote_ranks_per_token_matches_enumeration():
+    # every top-2 choice of 8 experts on 4 ranks (2 each), counted by hand
+    from itertools import combinations
+
+    choices = list(combinations(range(8), 2))
+    remote = [len({e // 2 for e in c} - {0}) for c in choices]
+    assert parallel.remote_ranks_per_token(8, 2, 4) == pytest.approx(sum(remote) / len(choices))
+    # DeepSeek V3 at EP=8: 256 experts, top 8; no chosen expert on a rank with p 0.338
+    assert parallel.remote_ranks_per_token(256, 8, 8) == pytest.approx(7 * (1 - 0.338), abs=5e-3)
+
+
+def test_per_rank_dispatch_is_smaller_than_per_expert():
+    naive = parallel.moe_all_to_all_bytes(256, 7168, 8, 8)
+    per_rank = parallel.moe_all_to_all_bytes_per_rank(256, 7168, 256, 8, 8)
+    ranks = parallel.remote_ranks_per_token(256, 8, 8)
+    assert per_rank.dispatch == pytest.approx(256 * ranks * (7168 + 56 * 4))
+    assert per_rank.combine == pytest.approx(256 * ranks * 7168 * 2)
+    assert per_rank.dispatch < naive.dispatch / 2
