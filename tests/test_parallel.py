@@ -496,3 +496,16 @@ def test_per_rank_dispatch_is_smaller_than_per_expert():
     assert per_rank.dispatch == pytest.approx(256 * ranks * (7168 + 56 * 4))
     assert per_rank.combine == pytest.approx(256 * ranks * 7168 * 2)
     assert per_rank.dispatch < naive.dispatch / 2
+
+
+def test_relative_fit_lets_small_messages_set_alpha():
+    sizes = [4096.0, 65536.0, 1048576.0, 16777216.0]
+    exact = [1e-3 + 1e-9 * n for n in sizes]
+    alpha, beta = collective_bench.fit_alpha_beta_relative(sizes, exact)
+    assert alpha == pytest.approx(1e-3) and beta == pytest.approx(1e-9)
+    wobbly = [*exact[:-1], exact[-1] * 1.1]  # the 16 MiB point 10 % slow
+    slope, intercept = __import__("numpy").polyfit(sizes, wobbly, 1, w=[1 / t for t in wobbly])
+    alpha, beta = collective_bench.fit_alpha_beta_relative(sizes, wobbly)
+    assert alpha == pytest.approx(intercept) and beta == pytest.approx(slope)
+    plain = collective_bench.fit_alpha_beta(sizes, wobbly)[0]
+    assert abs(alpha - 1e-3) < abs(plain - 1e-3) / 2
