@@ -317,7 +317,9 @@ SIZES = [4096, 65536, 2**20, 4 * 2**20]
 
 
 def fake_timing(times, sizes=SIZES):
-    return AllReduceTiming(2, "gloo", list(sizes), list(times), list(times), list(times))
+    return AllReduceTiming(
+        2, "gloo", "2 CPU processes over gloo", list(sizes), list(times), list(times), list(times)
+    )
 
 
 def constant_timing(world_size):
