@@ -509,3 +509,24 @@ def test_relative_fit_lets_small_messages_set_alpha():
     assert alpha == pytest.approx(intercept) and beta == pytest.approx(slope)
     plain = collective_bench.fit_alpha_beta(sizes, wobbly)[0]
     assert abs(alpha - 1e-3) < abs(plain - 1e-3) / 2
+
+
+def test_pipelined_layout_prices_micro_batches_in_flight():
+    from minillm.lab import ch08_setup
+
+    ch = ch08_setup.start_page()
+    cfg, dev, link = ch.llama70b, ch.h100, ch.pcie5
+    drained = parallel.estimate_layout(cfg, dev, link, 4, 2, 1, 64, 4096)
+    steady = parallel.estimate_layout(cfg, dev, link, 4, 2, 1, 64, 4096, pipelined=True)
+    # by hand: two micro-batches of 32; a stage holds half the layers on 4 GPUs
+    cost = roofline.decode_step_cost(cfg, 32, 4096, "bfloat16")
+    stage = roofline.step_time_floor_s(
+        cost, dev.peak_flops("bfloat16"), dev.memory_bandwidth_bytes_per_s
+    ) / (4 * 2)
+    stage += parallel.tp_communication_time_s(cfg, 32, 4, link) / 2
+    stage += interconnect.transfer_time_s(32 * cfg.hidden_size * 2, link)
+    assert steady.step_s == pytest.approx(2 * stage)
+    assert steady.step_s < drained.step_s and steady.tokens_per_s > drained.tokens_per_s
+    assert steady.memory_per_gpu_bytes == drained.memory_per_gpu_bytes
+    one_stage = parallel.estimate_layout(cfg, dev, link, 8, 1, 1, 64, 4096, pipelined=True)
+    assert one_stage == parallel.estimate_layout(cfg, dev, link, 8, 1, 1, 64, 4096)

@@ -384,17 +384,23 @@ def estimate_layout(
     context_len: int,
     dtype: str = "bfloat16",
     usable_fraction: float = 0.9,
+    pipelined: bool = False,
 ) -> LayoutEstimate:
     """Price decoding `batch_size` sequences of `context_len` tokens on tp x pp x dp GPUs.
 
     Each of the dp replicas takes ceil(batch_size / dp) sequences. Its step's roofline floor
     (chapter 2) is split evenly over its tp ranks; the pp stages run one after the other for a
     token, so PP saves memory but not time, and each of the pp - 1 stage boundaries adds one
-    transfer of the batch's hidden states. One micro-batch is in flight: each stage idles
-    (pp - 1) / pp of the step, as in minillm's engine, which drains its pipeline every step;
-    an engine that keeps pp micro-batches in flight (vLLM V1) does better than this estimate. Tensor parallelism adds its all-reduces
+    transfer of the batch's hidden states. Tensor parallelism adds its all-reduces
     (`tp_communication_time_s`). Fits when weights and KV take at most `usable_fraction` of
     each GPU's memory.
+
+    By default one micro-batch is in flight: each stage idles (pp - 1) / pp of the step, as in
+    minillm's engine, which drains its pipeline every step. `pipelined=True` prices the
+    steady state of an engine that keeps pp micro-batches in flight (vLLM V1): the replica's
+    sequences form pp micro-batches, each stage works on one at a time (reading its share of
+    the weights once per micro-batch), and a sequence gets its next token once every stage
+    has served every micro-batch: ITL = pp x (a stage's time for one micro-batch).
     """
     check_tensor_parallel(config, tp)
     pipeline_stage_layers(config.num_hidden_layers, pp)
@@ -403,6 +409,25 @@ def estimate_layout(
     memory = weight_bytes_per_gpu(config, tp, pp, dtype) + kv_bytes_per_gpu(
         config, batch * context_len, tp, pp, dtype
     )
+    if pipelined and pp > 1:
+        micro = math.ceil(batch / pp)
+        cost = roofline.decode_step_cost(config, micro, context_len, dtype)
+        floor = roofline.step_time_floor_s(
+            cost, device.peak_flops(dtype), device.memory_bandwidth_bytes_per_s
+        )
+        micro_bytes = micro * config.hidden_size * dtype_bytes(dtype)
+        stage_comm = tp_communication_time_s(config, micro, tp, link, dtype) / pp
+        stage_comm += transfer_time_s(micro_bytes, link)
+        return LayoutEstimate(
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            memory_per_gpu_bytes=memory,
+            fits=memory <= device.memory_bytes * usable_fraction,
+            compute_s=floor / tp,  # pp stages x (floor / (tp x pp)) each
+            communication_s=pp * stage_comm,
+            batch_per_replica=batch,
+        )
     cost = roofline.decode_step_cost(config, batch, context_len, dtype)
     compute = (
         roofline.step_time_floor_s(
