@@ -449,3 +449,84 @@ def test_all_reduce_runs_over_two_processes():
     assert all(t > 0 for t in timing.min_s)
     with pytest.raises(ValueError, match="multiples of 4"):
         collective_bench.measure_all_reduce([3])
+
+
+def _visible_gpus(monkeypatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_ranks_fall_back_to_cpu_processes_on_one_gpu(monkeypatch):
+    from minillm.distributed.parallel_state import ranks_device
+    from minillm.engine.args import EngineArgs
+
+    _visible_gpus(monkeypatch, 1)  # Colab's GPU runtime
+    device, why = ranks_device(2)
+    assert device == "cpu" and "gloo" in why and "1 GPU is visible" in why
+    # what the chapter's disaggregation run builds on that machine is accepted
+    EngineArgs(device=device, kv_transfer_config={"kv_connector": "TorchDistributedConnector"})
+    _visible_gpus(monkeypatch, 2)
+    assert ranks_device(2) == ("cuda", "2 GPUs over NCCL")
+    assert ranks_device(4)[0] == "cpu"
+    _visible_gpus(monkeypatch, 0)
+    assert ranks_device(2) == ("cpu", "2 CPU processes over gloo (no GPU visible)")
+
+
+def test_all_reduce_measures_cpu_processes_with_one_gpu(monkeypatch):
+    _visible_gpus(monkeypatch, 1)
+    timing = collective_bench.measure_all_reduce([4096], world_size=2, repeats=1)
+    assert timing.backend == "gloo" and "1 GPU is visible" in timing.where
+
+
+def test_remote_ranks_per_token_matches_enumeration():
+    # every top-2 choice of 8 experts on 4 ranks (2 each), counted by hand
+    from itertools import combinations
+
+    choices = list(combinations(range(8), 2))
+    remote = [len({e // 2 for e in c} - {0}) for c in choices]
+    assert parallel.remote_ranks_per_token(8, 2, 4) == pytest.approx(sum(remote) / len(choices))
+    # DeepSeek V3 at EP=8: 256 experts, top 8; no chosen expert on a rank with p 0.338
+    assert parallel.remote_ranks_per_token(256, 8, 8) == pytest.approx(7 * (1 - 0.338), abs=5e-3)
+
+
+def test_per_rank_dispatch_is_smaller_than_per_expert():
+    naive = parallel.moe_all_to_all_bytes(256, 7168, 8, 8)
+    per_rank = parallel.moe_all_to_all_bytes_per_rank(256, 7168, 256, 8, 8)
+    ranks = parallel.remote_ranks_per_token(256, 8, 8)
+    assert per_rank.dispatch == pytest.approx(256 * ranks * (7168 + 56 * 4))
+    assert per_rank.combine == pytest.approx(256 * ranks * 7168 * 2)
+    assert per_rank.dispatch < naive.dispatch / 2
+
+
+def test_relative_fit_lets_small_messages_set_alpha():
+    sizes = [4096.0, 65536.0, 1048576.0, 16777216.0]
+    exact = [1e-3 + 1e-9 * n for n in sizes]
+    alpha, beta = collective_bench.fit_alpha_beta_relative(sizes, exact)
+    assert alpha == pytest.approx(1e-3) and beta == pytest.approx(1e-9)
+    wobbly = [*exact[:-1], exact[-1] * 1.1]  # the 16 MiB point 10 % slow
+    slope, intercept = __import__("numpy").polyfit(sizes, wobbly, 1, w=[1 / t for t in wobbly])
+    alpha, beta = collective_bench.fit_alpha_beta_relative(sizes, wobbly)
+    assert alpha == pytest.approx(intercept) and beta == pytest.approx(slope)
+    plain = collective_bench.fit_alpha_beta(sizes, wobbly)[0]
+    assert abs(alpha - 1e-3) < abs(plain - 1e-3) / 2
+
+
+def test_pipelined_layout_prices_micro_batches_in_flight():
+    from minillm.lab import ch08_setup
+
+    ch = ch08_setup.start_page()
+    cfg, dev, link = ch.llama70b, ch.h100, ch.pcie5
+    drained = parallel.estimate_layout(cfg, dev, link, 4, 2, 1, 64, 4096)
+    steady = parallel.estimate_layout(cfg, dev, link, 4, 2, 1, 64, 4096, pipelined=True)
+    # by hand: two micro-batches of 32; a stage holds half the layers on 4 GPUs
+    cost = roofline.decode_step_cost(cfg, 32, 4096, "bfloat16")
+    stage = roofline.step_time_floor_s(
+        cost, dev.peak_flops("bfloat16"), dev.memory_bandwidth_bytes_per_s
+    ) / (4 * 2)
+    stage += parallel.tp_communication_time_s(cfg, 32, 4, link) / 2
+    stage += interconnect.transfer_time_s(32 * cfg.hidden_size * 2, link)
+    assert steady.step_s == pytest.approx(2 * stage)
+    assert steady.step_s < drained.step_s and steady.tokens_per_s > drained.tokens_per_s
+    assert steady.memory_per_gpu_bytes == drained.memory_per_gpu_bytes
+    one_stage = parallel.estimate_layout(cfg, dev, link, 8, 1, 1, 64, 4096, pipelined=True)
+    assert one_stage == parallel.estimate_layout(cfg, dev, link, 8, 1, 1, 64, 4096)

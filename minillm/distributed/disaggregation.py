@@ -4,13 +4,17 @@ and each request's KV blocks move from the first to the second when its prefill 
 `LLM(model, kv_transfer_config={"kv_connector": "TorchDistributedConnector"})` spawns two
 worker processes in one gloo (or NCCL) group, each with the whole model and a KV cache of the
 same number of blocks: rank 0 is the KV producer (vLLM's `kv_role="kv_producer"`), rank 1 the
-KV consumer (`"kv_consumer"`). The scheduler runs once, in the engine, and every step's plan is
-split by phase (`split_plan`): prefill chunks go to rank 0, decode steps to rank 1, and both
-run at the same time. A prefill chunk that reaches the end of its prompt samples the first
-token on rank 0; then rank 0 sends the request's blocks, every layer's keys and values, to rank
-1 with one `torch.distributed` send (rank 1 writes them into the same block ids, since one
-block table serves both), and the request decodes on rank 1 from the next step on. The bytes
-and seconds of every transfer are recorded (`KVTransferRecord`).
+KV consumer (`"kv_consumer"`). The scheduler runs once, in the engine, and every step's plan
+is split by phase (`split_plan`): prefill chunks go to rank 0, decode steps to rank 1, and
+both run at the same time. The step is synchronous: it ends when both ranks have answered, KV
+transfers included, so a decode step that shares a step with a long prefill chunk waits for it
+(a decode gap is max(prefill chunk, decode step), not the decode step alone). Production
+disaggregation (vLLM's connectors between separate engines) runs the two loops independently
+and hands KV over asynchronously. A prefill chunk that reaches the end of its prompt samples
+the first token on rank 0; then rank 0 sends the request's blocks, every layer's keys and
+values, to rank 1 with one `torch.distributed` send (rank 1 writes them into the same block
+ids, since one block table serves both), and the request decodes on rank 1 from the next step
+on. The bytes and seconds of every transfer are recorded (`KVTransferRecord`).
 
 vLLM's `KVTransferConfig` (v0.8 and later) names the connector (`kv_connector`: NIXL, P2P NCCL,
 LMCache ...) and a role per instance, because there the producer and consumer are separate
@@ -32,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from minillm.core.scheduler import SchedulerOutput
+from minillm.distributed.parallel_state import in_collective
 from minillm.model.loader import load_model
 from minillm.outputs import SampledToken
 from minillm.worker.model_runner import ModelRunner
@@ -136,7 +141,8 @@ class DisaggregatedWorker:
         index = torch.tensor(blocks, device=self.runner.device)
         payload = torch.stack([cache.index_select(1, index) for cache in self.runner.kv_caches])
         start = time.perf_counter()
-        dist.send(payload, DECODE_RANK)
+        with in_collective():
+            dist.send(payload, DECODE_RANK)
         seconds = time.perf_counter() - start
         num_bytes = payload.numel() * payload.element_size()
         self.transfers.append(KVTransferRecord(request_id, step, len(blocks), num_bytes, seconds))
@@ -145,7 +151,8 @@ class DisaggregatedWorker:
         caches = self.runner.kv_caches
         shape = (len(caches), 2, len(blocks), *caches[0].shape[2:])
         payload = torch.empty(shape, dtype=caches[0].dtype, device=self.runner.device)
-        dist.recv(payload, PREFILL_RANK)
+        with in_collective():
+            dist.recv(payload, PREFILL_RANK)
         index = torch.tensor(blocks, device=self.runner.device)
         for layer, cache in enumerate(caches):
             cache.index_copy_(1, index, payload[layer])

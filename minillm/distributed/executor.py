@@ -1,15 +1,23 @@
 """The engine's side of a multi-process model: spawn the ranks, hand them each step, stop them.
 
-`MultiprocExecutor` starts one process per rank (`torch.multiprocessing`'s spawn, a free
-loopback port for the process group), waits until every rank has built its part, and then
-stands in for the model runner: `execute_model(plan)` sends the scheduler's plan to every rank
-(the scheduler runs once, here, and its output is broadcast to all ranks) and returns the
-driver rank's sampled tokens.
+`MultiprocExecutor` starts one process per rank (a free loopback port for the process
+group). On the CPU they start with fork, as vLLM's workers do where CUDA is not in use
+(`VLLM_WORKER_MULTIPROC_METHOD`'s default), so a script without an `if __name__ ==
+"__main__":` guard, or `python -c`, works; CUDA cannot be used in a forked child once the
+parent has initialized it, so GPU ranks start with spawn, which re-imports the script's main
+module, and a failed start says to add the guard. It waits until every rank has built its
+part, and then stands in for the model runner: `execute_model(plan)` sends the scheduler's
+plan to every rank (the scheduler runs once, here, and its output is broadcast to all ranks)
+and returns the driver rank's sampled tokens.
 
 No wait is unbounded: while it waits for an answer it watches every process, and a rank
 that raised or died makes it stop the others and raise `WorkerError` with the rank's
-report. `shutdown` (also run by `LLM.shutdown`, a `with` block's end, and at exit) asks the
-ranks to leave, then terminates those that do not.
+report. Every rank answers every step, and a step that has not ended on every rank within
+`step_timeout_s` fails the same way, naming the rank that stalled: each rank flags, in an
+array shared with this process, when it waits in a collective for its peers, so the rank
+not waiting is the one the others wait for (a stopped process, a hung kernel). `shutdown`
+(also run by `LLM.shutdown`, a `with` block's end, and at exit) asks the ranks to leave,
+then terminates those that do not.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from minillm.outputs import SampledToken
 
 # the longest a rank may take to load and shard its model
 STARTUP_TIMEOUT_S = 300.0
+# the longest one step (or one method call) may take on any rank; far above any step of the
+# models minillm runs, far below gloo's and NCCL's own collective timeout
+STEP_TIMEOUT_S = 60.0
 # how long ranks get to leave on their own before they are terminated
 SHUTDOWN_GRACE_S = 10.0
 EXIT_WAIT_S = 10.0  # how long a rank whose pipe closed may take to be reaped
@@ -37,21 +48,55 @@ class WorkerError(RuntimeError):
     """A rank raised, died, or did not answer; the executor has stopped all ranks."""
 
 
+def start_method(device_type: str) -> str:
+    """fork for CPU ranks (fast, and no main guard needed) unless the platform lacks it or
+    this process has initialized CUDA; spawn for GPU ranks."""
+    import torch
+
+    if device_type == "cuda" or torch.cuda.is_initialized():
+        return "spawn"
+    return "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+
+
+def spawn_hint(method: str) -> str | None:
+    """What to add when spawned ranks failed to start from a script: spawn runs the script's
+    main module again in every rank, and without a guard that builds another engine there."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    if method != "spawn" or not getattr(main, "__file__", None):
+        return None
+    return (
+        f"worker processes start with spawn here, which imports {main.__file__} again in each "
+        'rank: put the code that builds the LLM under `if __name__ == "__main__":`'
+    )
+
+
+class _Late(Exception):
+    """A wait passed its deadline; the caller names the ranks in its WorkerError."""
+
+
 class MultiprocExecutor:
     """Worker processes for every rank, driven by the engine's process."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.driver_rank = spec.parallel.driver_rank
-        context = mp.get_context("spawn")
+        self.start_method = start_method(spec.device_type)
+        context = mp.get_context(self.start_method)
         self.processes: list = []
         self.conns: list[Connection] = []
         self.is_shut_down = False
+        self.step_timeout_s = STEP_TIMEOUT_S
         self._answers: dict[int, object] = {}  # answers that came before they were awaited
+        # 1 while a rank waits in a collective (set by the rank, read here when a step is late)
+        self.wait_flags = context.Array("b", spec.world_size, lock=False)
         for rank in range(spec.world_size):
             parent, child = context.Pipe()
             process = context.Process(
-                target=worker_main, args=(rank, spec, child), name=f"minillm-rank{rank}"
+                target=worker_main,
+                args=(rank, spec, child, self.wait_flags),
+                name=f"minillm-rank{rank}",
             )
             process.daemon = True  # never outlives the engine's process
             process.start()
@@ -62,7 +107,16 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, _stop_processes, self.processes, self.conns)
         try:
             for rank in range(len(self.processes)):
-                self._receive(rank, STARTUP_TIMEOUT_S)
+                try:
+                    self._receive(rank, STARTUP_TIMEOUT_S)
+                except _Late:
+                    self._fail(f"rank {rank} was not ready within {STARTUP_TIMEOUT_S:g} s")
+        except WorkerError as error:
+            self.shutdown()
+            hint = spawn_hint(self.start_method)
+            if hint:
+                raise WorkerError(f"{error}\n{hint}") from None
+            raise
         except BaseException:
             self.shutdown()
             raise
@@ -72,7 +126,7 @@ class MultiprocExecutor:
         if self.spec.kv_transfer is not None:
             return self._execute_disaggregated(plan)
         self._broadcast("execute_model", plan)
-        return self._receive(self.driver_rank, None)
+        return self._receive_all()[self.driver_rank]
 
     def _execute_disaggregated(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
         """Prefill chunks on the prefill rank, decode steps on the decode rank, at once; the
@@ -80,9 +134,8 @@ class MultiprocExecutor:
         prefill, decode, transfers = split_plan(plan, self.spec.block_size)
         for rank, part in ((PREFILL_RANK, prefill), (DECODE_RANK, decode)):
             self._send(rank, pickle.dumps(("execute_model", (part, transfers))))
-        sampled = self._receive(PREFILL_RANK, None)
-        sampled.update(self._receive(DECODE_RANK, None))
-        return sampled
+        answers = self._receive_all()
+        return {**answers[PREFILL_RANK], **answers[DECODE_RANK]}
 
     def kv_transfer_records(self) -> list:
         """Prefill/decode disaggregation: every request's KV transfer (KVTransferRecord)."""
@@ -91,7 +144,7 @@ class MultiprocExecutor:
     def call(self, method: str, *args) -> list:
         """Run a `Worker` method on every rank; its results in rank order."""
         self._broadcast(method, *args)
-        return [self._receive(rank, None) for rank in range(len(self.processes))]
+        return self._receive_all()
 
     def _broadcast(self, command: str, *args) -> None:
         if self.is_shut_down:
@@ -109,6 +162,34 @@ class MultiprocExecutor:
             code = self._exit_code(rank)
             self._fail(f"rank {rank} cannot be reached ({error}, exit code {code})")
 
+    def _receive_all(self) -> list:
+        """Every rank's answer to the command just sent, within step_timeout_s."""
+        deadline = time.monotonic() + self.step_timeout_s
+        answers = []
+        for rank in range(len(self.processes)):
+            try:
+                answers.append(self._receive(rank, max(0.0, deadline - time.monotonic())))
+            except _Late:
+                self._fail(self._stall_report(len(answers)))
+        return answers
+
+    def _stall_report(self, num_received: int) -> str:
+        """Which ranks did not answer in time (ranks below num_received did), and which of
+        them are waiting on the others."""
+        late = [
+            rank for rank in range(num_received, len(self.processes)) if rank not in self._answers
+        ]
+        waiting = [rank for rank in late if self.wait_flags[rank]]
+        stalled = [rank for rank in late if not self.wait_flags[rank]]
+        limit = f"within {self.step_timeout_s:g} s"
+        if not stalled:
+            return f"ranks {late} did not finish the step {limit}, each waiting in a collective"
+        names = ", ".join(f"rank {rank}" for rank in stalled)
+        report = f"{names} did not finish the step {limit} and is not waiting on another rank"
+        if waiting:
+            report += f" (ranks {waiting} wait for it in a collective)"
+        return report
+
     def _receive(self, rank: int, timeout_s: float | None):
         """The answer of `rank`, while watching every process: a rank that reports an error
         or dies ends the wait (and all ranks) with WorkerError."""
@@ -125,7 +206,7 @@ class MultiprocExecutor:
                 if process.sentinel in ready and not self.conns[other].poll():
                     self._fail(f"rank {other} died (exit code {self._exit_code(other)})")
             if deadline is not None and time.monotonic() > deadline:
-                self._fail(f"rank {rank} did not answer within {timeout_s:.0f} s")
+                raise _Late
         return self._answers.pop(rank)
 
     def _recv(self, rank: int) -> tuple[str, object]:

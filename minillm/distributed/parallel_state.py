@@ -9,9 +9,11 @@ tensor's size), not what a ring or tree algorithm puts on the wire.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +23,31 @@ from minillm.model.config import ModelConfig
 
 # a collective that waits longer than this on a peer fails instead of hanging forever
 COLLECTIVE_TIMEOUT_S = 120.0
+
+# This rank's flag in an array shared with the engine's process: 1 while the rank waits in a
+# collective (for its peers), 0 otherwise. When a step is late, the engine reads the flags to
+# tell the rank that stalled (flag 0: it is computing, or stopped) from those waiting on it.
+_wait_flags = None
+_wait_rank = 0
+
+
+def set_wait_flags(flags, rank: int) -> None:
+    """Called once per worker process with the shared array the engine created."""
+    global _wait_flags, _wait_rank
+    _wait_flags, _wait_rank = flags, rank
+
+
+@contextlib.contextmanager
+def in_collective() -> Iterator[None]:
+    """Marks this rank as waiting on its peers for the duration of the block."""
+    if _wait_flags is None:
+        yield
+        return
+    _wait_flags[_wait_rank] = 1
+    try:
+        yield
+    finally:
+        _wait_flags[_wait_rank] = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +156,22 @@ def max_world_size(device_type: str) -> int:
     return os.cpu_count() or 1
 
 
+def ranks_device(world_size: int) -> tuple[str, str]:
+    """Where `world_size` ranks of a demonstration run: ("cuda", why) with a GPU per rank,
+    else ("cpu", why): CPU processes over gloo. NCCL needs one GPU per rank, so a one-GPU
+    machine (Colab's GPU runtime) runs multi-rank demonstrations on its CPU instead of
+    failing; `why` says which was chosen and why, for the caller to print."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= world_size:
+        return "cuda", f"{world_size} GPUs over NCCL"
+    if gpus:
+        return "cpu", (
+            f"{world_size} CPU processes over gloo: NCCL needs a GPU per rank and "
+            f"{gpus} GPU{'s' if gpus > 1 else ''} {'are' if gpus > 1 else 'is'} visible"
+        )
+    return "cpu", f"{world_size} CPU processes over gloo (no GPU visible)"
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that nobody listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -170,14 +213,16 @@ class Communicator:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place; returns x."""
         self.counts.add("all_reduce", x.numel() * x.element_size())
-        dist.all_reduce(x)
+        with in_collective():
+            dist.all_reduce(x)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's x, concatenated along `dim` in rank order."""
         self.counts.add("all_gather", x.numel() * x.element_size())
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous())
+        with in_collective():
+            dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=dim)
 
     def all_to_all(
@@ -187,7 +232,8 @@ class Communicator:
         order: [sum(recv_counts), ...]."""
         self.counts.add("all_to_all", x.numel() * x.element_size())
         out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
+        with in_collective():
+            dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
         return out
 
     def send(self, x: torch.Tensor, dst: int) -> dist.Work:
@@ -197,5 +243,6 @@ class Communicator:
 
     def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into x from rank src (blocking)."""
-        dist.recv(x, src)
+        with in_collective():
+            dist.recv(x, src)
         return x

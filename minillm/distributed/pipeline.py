@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from minillm.core.scheduler import ScheduledRequest
-from minillm.distributed.parallel_state import Communicator
+from minillm.distributed.parallel_state import Communicator, in_collective
 from minillm.model.llama import LlamaForCausalLM
 from minillm.worker.model_runner import ModelRunner, prepare_inputs
 
@@ -119,8 +119,9 @@ def run_stage(
         else:
             sends.append((comm.send(x, rank + 1), x))
         busy_s += time.monotonic() - began
-    for work, _ in sends:
-        work.wait()
+    with in_collective():  # the next stage may still be busy with an earlier micro-batch
+        for work, _ in sends:
+            work.wait()
     timing = StageTiming(len(micro_batches), busy_s, start, time.monotonic())
     return logits, timing
 

@@ -4,9 +4,9 @@
 model and keeps its shard (`tensor_parallel.shard_model`) or its stage
 (`pipeline.make_stage`), says it is ready, then serves commands from the engine's pipe until
 told to stop: "execute_model" with the scheduler's plan of a step (every rank gets the same
-plan; the driver rank answers with the sampled tokens) or the name of a `Worker` method. An
-exception is sent back with its traceback before the process exits, so the engine can report
-it and stop the other ranks.
+plan; the driver rank answers with the sampled tokens, the others with None) or the name of
+a `Worker` method. An exception is sent back with its traceback before the process exits, so
+the engine can report it and stop the other ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from minillm.distributed.parallel_state import (
     Communicator,
     ParallelConfig,
     init_process_group,
+    set_wait_flags,
 )
 from minillm.distributed.pipeline import StageTiming, make_stage, run_stage, split_micro_batches
 from minillm.distributed.tensor_parallel import shard_model
@@ -154,9 +155,13 @@ class Worker:
         return self.runner.kv_caches[0].shape[3]
 
 
-def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
-    """The body of a worker process: build the rank's Worker, then serve commands."""
+def worker_main(rank: int, spec: WorkerSpec, conn: Connection, wait_flags=None) -> None:
+    """The body of a worker process: build the rank's Worker, then serve commands. Every
+    command is answered, a step too (None from a rank that samples nothing), so the engine
+    knows which rank finished; `wait_flags` is shared with the engine (`in_collective`)."""
     try:
+        if wait_flags is not None:
+            set_wait_flags(wait_flags, rank)
         init_process_group(rank, spec.world_size, spec.port, spec.device_type)
         if spec.device_type == "cuda":
             torch.cuda.set_device(rank)
@@ -171,9 +176,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
             command, args = pickle.loads(conn.recv_bytes())
             if command == "shutdown":
                 break
-            result = getattr(worker, command)(*args)
-            if command != "execute_model" or worker.is_driver:
-                conn.send(("ok", result))
+            conn.send(("ok", getattr(worker, command)(*args)))
     except (EOFError, KeyboardInterrupt):
         pass  # the engine is gone or stopping us: nothing to report to
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it

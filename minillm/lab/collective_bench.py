@@ -1,6 +1,7 @@
 """Measure all-reduce on this machine with torch.distributed, and fit the alpha-beta model.
 
-`measure_all_reduce` starts `world_size` processes (gloo on a CPU, NCCL on GPUs), all-reduces
+`measure_all_reduce` starts `world_size` processes (NCCL with a GPU per rank, else gloo on the
+CPU, `ranks_device`: a one-GPU machine measures its CPU processes and says so), all-reduces
 float32 tensors of each size a few times, and reports the median time per size as rank 0 saw
 it, sizes interleaved round robin so that a burst of other work on the machine touches every
 size alike. `fit_alpha_beta` fits t = a + b * n to those times by least squares: a is the
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from minillm.distributed.parallel_state import ranks_device
+
 
 @dataclass(frozen=True, slots=True)
 class AllReduceTiming:
@@ -30,6 +33,7 @@ class AllReduceTiming:
 
     world_size: int
     backend: str
+    where: str  # which processes ran, and why (ranks_device)
     sizes_bytes: list[int]
     median_s: list[float]
     min_s: list[float]
@@ -43,10 +47,16 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, sizes: list[int], repeats: int, out_path: str
+    rank: int,
+    world_size: int,
+    port: int,
+    sizes: list[int],
+    repeats: int,
+    out_path: str,
+    device_type: str = "cpu",
 ) -> None:
     torch.set_num_threads(1)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if device_type == "cuda" else "gloo"
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
@@ -78,8 +88,7 @@ def measure_all_reduce(
     """Time all-reduces of float32 tensors of `sizes_bytes` bytes over `world_size` processes."""
     if world_size < 2 or repeats < 1:
         raise ValueError(f"need world_size >= 2 and repeats >= 1, got {world_size}, {repeats}")
-    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
-        raise ValueError(f"{world_size} ranks need as many GPUs; {torch.cuda.device_count()} seen")
+    device_type, where = ranks_device(world_size)
     sizes = [int(n) for n in sizes_bytes]
     if not sizes or any(n < 4 or n % 4 for n in sizes):
         raise ValueError("sizes must be multiples of 4 bytes (float32 elements), at least 4")
@@ -99,6 +108,8 @@ def measure_all_reduce(
             str(repeats),
             "--out",
             out_path,
+            "--device",
+            device_type,
             "--sizes",
             *map(str, sizes),
         ]
@@ -111,6 +122,7 @@ def measure_all_reduce(
     return AllReduceTiming(
         world_size=world_size,
         backend=result["backend"],
+        where=where,
         sizes_bytes=sizes,
         median_s=[statistics.median(t) for t in times],
         min_s=[min(t) for t in times],
@@ -130,6 +142,30 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tu
     return mean_y - beta * mean_x, beta
 
 
+def fit_alpha_beta_relative(
+    sizes_bytes: Sequence[float], times_s: Sequence[float]
+) -> tuple[float, float]:
+    """t = alpha + beta * n fitted on relative error (least squares weighted by 1 / t^2).
+
+    An unweighted fit lets the largest messages set the intercept: a 10 % wobble of a 16 MiB
+    all-reduce moves alpha by milliseconds. Weighting each point by its own size of error
+    lets the small messages, whose time is mostly alpha, set it."""
+    if len(sizes_bytes) != len(times_s) or len(set(sizes_bytes)) < 2:
+        raise ValueError("need as many times as sizes, and at least two distinct sizes")
+    if min(times_s) <= 0:
+        raise ValueError("times must be positive")
+    w = [1 / t**2 for t in times_s]
+    sw = sum(w)
+    mean_x = sum(wi * x for wi, x in zip(w, sizes_bytes, strict=True)) / sw
+    mean_y = sum(wi * y for wi, y in zip(w, times_s, strict=True)) / sw
+    sxx = sum(wi * (x - mean_x) ** 2 for wi, x in zip(w, sizes_bytes, strict=True))
+    sxy = sum(
+        wi * (x - mean_x) * (y - mean_y) for wi, x, y in zip(w, sizes_bytes, times_s, strict=True)
+    )
+    beta = sxy / sxx
+    return mean_y - beta * mean_x, beta
+
+
 def main() -> None:
     """One rank of `measure_all_reduce` (it starts these itself)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -139,8 +175,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--sizes", type=int, nargs="+", required=True)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
-    _worker(args.rank, args.world_size, args.port, args.sizes, args.repeats, args.out)
+    _worker(args.rank, args.world_size, args.port, args.sizes, args.repeats, args.out, args.device)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import pathlib
 import statistics
 
 from minillm import LLM, SamplingParams
+from minillm.distributed.parallel_state import ranks_device
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,8 +91,12 @@ def compare_colocated_disaggregated(
 ) -> dict[str, list[LatencySummary]]:
     """The same mixed load on a colocated engine and on a disaggregated one, `rounds` times,
     interleaved (colocated, disaggregated, colocated, ...) so that both see the same machine;
-    prefix caching is off in both, so that both compute every prompt."""
-    options = dict(dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=64)
+    prefix caching is off in both, so that both compute every prompt. Both run on two GPUs
+    when there are two, else on the CPU (`ranks_device(2)` says which, and why)."""
+    device, _ = ranks_device(2)
+    options = dict(
+        dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=64, device=device
+    )
     colocated_llm = LLM(model, **options)
     disaggregated_llm = LLM(
         model, kv_transfer_config={"kv_connector": "TorchDistributedConnector"}, **options

@@ -16,11 +16,16 @@ How it times requests:
 - Multi-turn sessions send turn k + 1 when turn k has finished (plus a think time); the
   history (user text and the answers received) is the next turn's prompt.
 
-What it counts: one token per streamed chunk with text (minillm and vLLM stream one token a
-chunk); output tokens by the server's `usage` and by re-tokenizing the received text, with
-the difference reported. Warm-up requests run first and are not counted. Every prompt of a
-run starts with a short run-unique salt, so a run never hits prefix-cache blocks that the
-previous run left (cache carry-over); shared prefixes are shared within a run only.
+What it counts, as vLLM 0.11's `vllm bench serve` does (`vllm/benchmarks/serve.py`,
+`calculate_metrics`): a request's output tokens n from the server's `usage`, else from
+re-tokenizing the received text, never from the number of chunks (a chunk can hold several
+tokens: a server that falls behind merges deltas, speculative decoding emits several per
+step). TPOT divides by n - 1 tokens; ITL is per chunk; E2EL ends at the last chunk with
+text. Chunks per request are reported, so multi-token chunks show. A stream that ends with an
+error event is a failed request, whatever it streamed before. Warm-up requests run first and
+are not counted. Every prompt of a run starts with a short run-unique salt, so a run never
+hits prefix-cache blocks that the previous run left (cache carry-over); shared prefixes are
+shared within a run only.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ class RequestRecord:
     scheduled_s: float
     sent_s: float = math.nan
     token_times_s: list[float] = field(default_factory=list)
-    end_s: float = math.nan
+    end_s: float = math.nan  # the stream's end (after usage and [DONE]): in flight until then
     text: str = ""
     prompt_tokens: int | None = None  # the server's usage.prompt_tokens
     output_tokens: int | None = None  # the server's usage.completion_tokens
@@ -81,10 +86,20 @@ class RequestRecord:
     def ok(self) -> bool:
         return self.error is None and bool(self.token_times_s)
 
+    @property
+    def num_tokens(self) -> int | None:
+        """Output tokens: the server's usage count, else the re-tokenized text's, else None
+        (then the metrics count one token a chunk)."""
+        for count in (self.output_tokens, self.retokenized_output_tokens):
+            if isinstance(count, int) and not isinstance(count, bool) and count >= 1:
+                return count
+        return None
+
     def timing(self) -> sm.RequestTiming:
-        return sm.RequestTiming(
-            self.scheduled_s, self.sent_s, tuple(self.token_times_s), self.end_s, self.ok
-        )
+        """The latencies' inputs: E2EL ends at the last chunk with text, as in vLLM."""
+        times = tuple(self.token_times_s)
+        end = times[-1] if times else self.end_s
+        return sm.RequestTiming(self.scheduled_s, self.sent_s, times, end, self.ok, self.num_tokens)
 
 
 @dataclass(slots=True)
@@ -280,6 +295,13 @@ async def send(client, target: Target, payload: dict, record: RequestRecord, t0:
                     break
                 now = time.perf_counter() - t0
                 chunk = json.loads(data)
+                if chunk.get("error"):  # the server aborted the request mid-stream
+                    error = chunk["error"]
+                    message = error.get("message") if isinstance(error, dict) else error
+                    record.error = (
+                        f"error event after {len(record.token_times_s)} chunks: {message}"
+                    )
+                    break
                 text = _chunk_text(chunk, target.endpoint)
                 if text:
                     record.token_times_s.append(now)
@@ -295,7 +317,9 @@ async def send(client, target: Target, payload: dict, record: RequestRecord, t0:
         record.error = "the response carried no output"
 
 
-async def _session(client, target, session, index, scheduled_s, t0, records, think_time_s, gate):
+async def _session(
+    client, target, session, index, scheduled_s, t0, records, think_time_s, gate, on_done=None
+):
     history: list[tuple[str, str]] = []
     for k, turn in enumerate(session.turns):
         record = RequestRecord(index, k, scheduled_s)
@@ -305,6 +329,8 @@ async def _session(client, target, session, index, scheduled_s, t0, records, thi
                 await send(client, target, _payload(target, history, turn), record, t0)
         else:
             await send(client, target, _payload(target, history, turn), record, t0)
+        if on_done is not None:
+            on_done(record)
         if not record.ok:
             return
         history.append((turn.text, record.text))
@@ -331,8 +357,10 @@ async def run_open_loop(
     starts_s: Sequence[float],
     max_concurrency: int | None = None,
     think_time_s: float = 0.0,
+    on_done: Callable[[RequestRecord], None] | None = None,
 ) -> list[RequestRecord]:
-    """Start session i at starts_s[i] (s after the run's start); latency from the schedule."""
+    """Start session i at starts_s[i] (s after the run's start); latency from the schedule.
+    `on_done` is called with each request's record as it ends (progress)."""
     if len(starts_s) != len(sessions):
         raise ValueError("one start time per session")
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -343,7 +371,16 @@ async def run_open_loop(
         async def start(i: int) -> None:
             await asyncio.sleep(max(0.0, t0 + starts_s[i] - time.perf_counter()))
             await _session(
-                client, target, sessions[i], i, starts_s[i], t0, per_session[i], think_time_s, gate
+                client,
+                target,
+                sessions[i],
+                i,
+                starts_s[i],
+                t0,
+                per_session[i],
+                think_time_s,
+                gate,
+                on_done,
             )
 
         await asyncio.gather(*(start(i) for i in range(len(sessions))))
@@ -351,7 +388,11 @@ async def run_open_loop(
 
 
 async def run_closed_loop(
-    target: Target, sessions: Sequence[Session], concurrency: int, think_time_s: float = 0.0
+    target: Target,
+    sessions: Sequence[Session],
+    concurrency: int,
+    think_time_s: float = 0.0,
+    on_done: Callable[[RequestRecord], None] | None = None,
 ) -> list[RequestRecord]:
     """`concurrency` users take sessions in order, each starting its next when one ends."""
     if concurrency < 1:
@@ -373,6 +414,7 @@ async def run_closed_loop(
                     per_session[i],
                     think_time_s,
                     None,
+                    on_done,
                 )
 
         await asyncio.gather(*(user() for _ in range(concurrency)))
@@ -399,18 +441,20 @@ def run(
     seed: int = 0,
     salt: str | None = None,
     tokenizer=None,
+    on_done: Callable[[RequestRecord], None] | None = None,
 ) -> Run:
-    """One run, open loop (request_rate) or closed loop (concurrency); salt None: a fresh one."""
+    """One run, open loop (request_rate) or closed loop (concurrency); salt None: a fresh one.
+    `on_done(record)` is called as each request ends, for a progress display."""
     if (request_rate is None) == (concurrency is None):
         raise ValueError("give exactly one of request_rate (open loop) and concurrency")
     salt = f"run {uuid.uuid4().hex[:6]}: " if salt is None else salt
     sessions = salted(sessions, salt)
     if request_rate is not None:
         starts = arrival_times(len(sessions), request_rate, seed, burstiness)
-        coro = run_open_loop(target, sessions, starts, max_concurrency, think_time_s)
+        coro = run_open_loop(target, sessions, starts, max_concurrency, think_time_s, on_done)
         mode, load = "open", request_rate
     else:
-        coro = run_closed_loop(target, sessions, concurrency, think_time_s)
+        coro = run_closed_loop(target, sessions, concurrency, think_time_s, on_done)
         mode, load = "closed", float(concurrency)
     records = run_sync(coro)
     if tokenizer is not None:
@@ -422,10 +466,17 @@ def run(
 
 def warm_up(target: Target, num_requests: int, seed: int = 1) -> None:
     """Send a few short requests one at a time and discard them (first-call costs: memory
-    allocation, lazy initialisation, connection set-up)."""
+    allocation, lazy initialisation, connection set-up). Raises when every one of them failed:
+    a run against a server that refuses everything measures nothing."""
     if num_requests > 0:
         sessions = fixed_sessions(num_requests, 8, 4, seed)
-        run_sync(run_closed_loop(target, salted(sessions, "warm-up: "), 1))
+        records = run_sync(run_closed_loop(target, salted(sessions, "warm-up: "), 1))
+        if not any(r.ok for r in records):
+            reasons = sorted({r.error for r in records if r.error})
+            raise RuntimeError(
+                f"all {len(records)} warm-up requests to {target.base_url} failed: "
+                + "; ".join(reasons[:3])
+            )
 
 
 def run_sync(coro):
@@ -469,22 +520,27 @@ def summarize(result: Run, slo: sm.Slo | None = None) -> dict:
         "send_lag_s": [],
     }
     gaps: list[float] = []
+    chunks_per_request: list[float] = []
     for r in done:
-        t = r.token_times_s
+        timing = r.timing()
+        t, end, n = timing.token_times_s, timing.end_s, timing.num_tokens
         per_request["ttft_s"].append(sm.ttft_s(r.scheduled_s, t))
-        per_request["e2el_s"].append(sm.e2el_s(r.scheduled_s, r.end_s))
-        per_request["tpot_incl_first_s"].append(sm.tpot_incl_first_s(r.scheduled_s, t, r.end_s))
+        per_request["e2el_s"].append(sm.e2el_s(r.scheduled_s, end))
+        per_request["tpot_incl_first_s"].append(sm.tpot_incl_first_s(r.scheduled_s, t, end, n))
         per_request["ttft_from_send_s"].append(sm.ttft_s(r.sent_s, t))
         per_request["send_lag_s"].append(r.sent_s - r.scheduled_s)
+        tpot = sm.tpot_s(r.scheduled_s, t, end, n)
+        if tpot is not None:
+            per_request["tpot_s"].append(tpot)
         if len(t) >= 2:
-            per_request["tpot_s"].append(sm.tpot_s(r.scheduled_s, t, r.end_s))
             per_request["worst_gap_s"].append(sm.worst_gap_s(t))
         gaps += sm.itl_s(t)
+        chunks_per_request.append(float(len(t)))
     usage_out = [r.output_tokens for r in done if r.output_tokens is not None]
     retok = [r.retokenized_output_tokens for r in done if r.retokenized_output_tokens is not None]
     chunks = sum(len(r.token_times_s) for r in done)
     prompt_tokens = sum(r.prompt_tokens or 0 for r in done)
-    out_tokens = sum(usage_out) if len(usage_out) == len(done) else chunks
+    out_tokens = sum(r.num_tokens or len(r.token_times_s) for r in done)
     summary = {
         "mode": result.mode,
         "load": result.load,
@@ -499,6 +555,7 @@ def summarize(result: Run, slo: sm.Slo | None = None) -> dict:
         "output_tokens_usage": sum(usage_out) if usage_out else None,
         "output_tokens_retokenized": sum(retok) if retok else None,
         "output_chunks": chunks,
+        "chunks_per_request": _stats(chunks_per_request),
         "input_throughput_tps": prompt_tokens / duration if duration else 0.0,
         "output_throughput_tps": out_tokens / duration if duration else 0.0,
         "itl_s": _stats(gaps),
@@ -565,23 +622,25 @@ def sweep(
     concurrencies: Sequence[int] = (),
     slo: sm.Slo | None = None,
     tokenizer=None,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    on_point: Callable[[dict], None] | None = None,
     **options,
 ) -> list[dict]:
     """One run per request rate (open loop), then one per concurrency (closed loop), each on
-    fresh sessions (make_sessions(seed)) and a fresh salt; returns their summaries."""
+    fresh sessions (make_sessions(seed)) and a fresh salt; returns their summaries.
+    `on_done(record)` is called as each request ends, `on_point(summary)` as each run ends."""
     points = []
-    for i, rate in enumerate(rates):
-        result = run(target, make_sessions(i), request_rate=rate, tokenizer=tokenizer, **options)
+    closed_options = {k: v for k, v in options.items() if k == "think_time_s"}
+    runs = [(make_sessions(i), {"request_rate": rate, **options}) for i, rate in enumerate(rates)]
+    runs += [
+        (make_sessions(len(rates) + i), {"concurrency": c, **closed_options})
+        for i, c in enumerate(concurrencies)
+    ]
+    for sessions, how in runs:
+        result = run(target, sessions, tokenizer=tokenizer, on_done=on_done, **how)
         points.append(summarize(result, slo))
-    for i, c in enumerate(concurrencies):
-        result = run(
-            target,
-            make_sessions(len(rates) + i),
-            concurrency=c,
-            tokenizer=tokenizer,
-            **{k: v for k, v in options.items() if k == "think_time_s"},
-        )
-        points.append(summarize(result, slo))
+        if on_point is not None:
+            on_point(points[-1])
     return points
 
 
@@ -633,7 +692,7 @@ def add_parser(kinds) -> None:
         "--tokenizer",
         default=None,
         help="HF directory or bundled name, to size prompts and re-tokenize output "
-        "(default: the bundled model's)",
+        "(default: the served model's, when it names a local directory or a bundled model)",
     )
     p.add_argument(
         "--workload", default="fixed", choices=["fixed", "shared-prefix", "multi-turn", "dataset"]
@@ -708,6 +767,27 @@ def server_model(base_url: str, api_key: str | None = None, transport=None) -> s
     return models[0]["id"]
 
 
+def default_tokenizer(model: str) -> str:
+    """The tokenizer for a served model's id: the id itself when it is a local model
+    directory or a bundled model's name (a minillm server serves those), as vLLM's benchmark
+    defaults to the served model's. Any other id needs --tokenizer: sizing prompts and counting
+    output with another model's tokenizer would quietly mislabel every token count."""
+    import pathlib
+
+    from minillm.model.loader import BUNDLED_MODELS_DIR, DEFAULT_MODEL
+
+    for candidate in (pathlib.Path(model).expanduser(), BUNDLED_MODELS_DIR / model):
+        if (candidate / "tokenizer.json").is_file():
+            return str(candidate)
+    if model == DEFAULT_MODEL:
+        return model
+    raise ValueError(
+        f"the server serves {model!r}, which is neither a local model directory nor a bundled "
+        "model: pass --tokenizer with that model's tokenizer (a directory holding "
+        f"tokenizer.json), or --tokenizer {DEFAULT_MODEL} to size prompts with minillm's own"
+    )
+
+
 def make_sessions_fn(args, tokenizer) -> Callable[[int], list[Session]]:
     n, seed = args.num_requests, args.seed
     if args.workload == "dataset":
@@ -732,6 +812,32 @@ def make_sessions_fn(args, tokenizer) -> Callable[[int], list[Session]]:
     return lambda i: fixed_sessions(n, args.input_len, args.output_len, seed + i, tokenizer)
 
 
+class Progress:
+    """A one-line count of finished requests, rewritten in place on stderr while a run goes
+    on (a sweep of long runs is otherwise silent for its whole length)."""
+
+    def __init__(self, stream=None) -> None:
+        import sys
+
+        self.stream = stream if stream is not None else sys.stderr
+        self.done = self.failed = 0
+
+    def __call__(self, record: RequestRecord) -> None:
+        if record.ok:
+            self.done += 1
+        else:
+            self.failed += 1
+        self.stream.write(f"\r  {self.done} done, {self.failed} failed")
+        self.stream.flush()
+
+    def clear(self) -> None:
+        """End the progress line before a result line is printed; count the next run anew."""
+        if self.done or self.failed:
+            self.stream.write("\r" + " " * 40 + "\r")
+            self.stream.flush()
+        self.done = self.failed = 0
+
+
 def _print_point(p: dict) -> None:
     def ms(metric: str, stat: str) -> str:
         value = p[metric].get(stat)
@@ -745,16 +851,21 @@ def _print_point(p: dict) -> None:
         f"{ms('tpot_s', 'p99')} {ms('itl_s', 'p99')} {ms('worst_gap_s', 'p99')} "
         f"{ms('e2el_s', 'p99')}" + (f" {p['goodput_rps']:8.2f}" if "goodput_rps" in p else "")
     )
+    if p["failed"]:
+        for reason in p["errors"][:3]:
+            print(f"{'':>8}failed: {reason}")
+    if p["completed"] and p["completed"] < 100:
+        print(f"{'':>8}(under 100 requests: the p99 of {p['completed']} is their maximum)")
 
 
 def run_command(args) -> int:
-    from minillm.model.loader import DEFAULT_MODEL, resolve_model_path
+    from minillm.model.loader import resolve_model_path
     from minillm.model.tokenizer import Tokenizer
 
     if not args.request_rate and not args.concurrency:
         raise ValueError("give --request-rate (open loop) or --concurrency (closed loop)")
-    tokenizer = Tokenizer(resolve_model_path(args.tokenizer or DEFAULT_MODEL))
     model = args.model or server_model(args.base_url, args.api_key)
+    tokenizer = Tokenizer(resolve_model_path(args.tokenizer or default_tokenizer(model)))
     slo = None
     if any(v is not None for v in (args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)):
         slo = sm.Slo(
@@ -773,6 +884,12 @@ def run_command(args) -> int:
     def target_for(url: str) -> Target:
         return Target(url, model, args.endpoint, not args.no_ignore_eos, args.api_key)
 
+    progress = Progress()
+
+    def show(point: dict) -> None:
+        progress.clear()
+        _print_point(point)
+
     def measure(url: str) -> list[dict]:
         target = target_for(url)
         warm_up(target, args.warmup)
@@ -784,12 +901,14 @@ def run_command(args) -> int:
             slo=slo,
             tokenizer=tokenizer,
             seed=args.seed,
+            on_done=progress,
+            on_point=show,
             **options,
         )
 
     print(
         "latency counted from each request's scheduled time; nearest-rank percentiles; "
-        "TPOT = (E2EL - TTFT) / (n - 1); ms"
+        "TPOT = (E2EL - TTFT) / (n - 1), n output tokens; ms"
     )
     print(
         f"{'mode':>6} {'load':>8} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>8} "
@@ -821,15 +940,15 @@ def run_command(args) -> int:
         "warmup_requests": args.warmup,
         "conventions": {
             "start": "each request's scheduled time (open loop) or its send (closed loop)",
-            "tpot": "(E2EL - TTFT) / (n - 1); tpot_incl_first = E2EL / n",
+            "tpot": "(E2EL - TTFT) / (n - 1), n output tokens from usage (else re-tokenized); "
+            "tpot_incl_first = E2EL / n",
+            "e2el": "to the last chunk with text, as vLLM's benchmark",
             "itl": "every gap between consecutive streamed chunks, all requests pooled",
             "percentiles": "nearest rank",
             "cache": "every prompt starts with a run-unique salt: no carry-over between runs",
         },
     }
     points = measure(args.base_url)
-    for p in points:
-        _print_point(p)
     record["points"] = points
     knees = {}
     for mode in ("open", "closed"):

@@ -188,6 +188,43 @@ def moe_all_to_all_bytes(
     return AllToAllBytes(dispatch=bytes_each, combine=bytes_each)
 
 
+def remote_ranks_per_token(num_experts: int, top_k: int, ep: int) -> float:
+    """Other ranks one token reaches, on average, when its top_k experts are distinct and
+    uniformly random: each of the ep - 1 other ranks holds none of them with probability
+    C(E - E/ep, k) / C(E, k) (hypergeometric)."""
+    for value, name in ((num_experts, "num_experts"), (top_k, "top_k"), (ep, "ep")):
+        _positive_int(value, name)
+    if num_experts % ep or top_k > num_experts:
+        raise ValueError(f"need ep | num_experts and top_k <= num_experts, got {num_experts}, {ep}")
+    none_here = math.comb(num_experts - num_experts // ep, top_k) / math.comb(num_experts, top_k)
+    return (ep - 1) * (1 - none_here)
+
+
+def moe_all_to_all_bytes_per_rank(
+    tokens_per_rank: int,
+    hidden_size: int,
+    num_experts: int,
+    top_k: int,
+    ep: int,
+    dispatch_bytes: float = 1.0,
+    scale_block: int | None = 128,
+    combine_bytes: float = 2.0,
+) -> AllToAllBytes:
+    """Bytes one rank sends per MoE layer when a token goes once to each rank holding any of
+    its experts (DeepSeek V3, DeepEP): the receiving rank hands the copy to all its chosen
+    experts, and reduces their outputs before combine sends one vector back. Dispatch in FP8
+    (1 byte) plus one float32 scale per `scale_block` values, combine in BF16 (DeepSeek V3's
+    choices); routing uniform, as `moe_all_to_all_bytes`, which sends one copy per expert."""
+    _positive_int(tokens_per_rank, "tokens_per_rank")
+    _positive_int(hidden_size, "hidden_size")
+    copies = tokens_per_rank * remote_ranks_per_token(num_experts, top_k, ep)
+    scales = 0 if scale_block is None else math.ceil(hidden_size / scale_block) * 4
+    return AllToAllBytes(
+        dispatch=copies * (hidden_size * dispatch_bytes + scales),
+        combine=copies * hidden_size * combine_bytes,
+    )
+
+
 def load_imbalance(loads: Sequence[float]) -> float:
     """max / mean of per-rank (or per-expert) loads: 1.0 is perfectly even. A step waits for
     its busiest rank, so it takes `load_imbalance` times as long as an even one."""
@@ -347,6 +384,7 @@ def estimate_layout(
     context_len: int,
     dtype: str = "bfloat16",
     usable_fraction: float = 0.9,
+    pipelined: bool = False,
 ) -> LayoutEstimate:
     """Price decoding `batch_size` sequences of `context_len` tokens on tp x pp x dp GPUs.
 
@@ -356,6 +394,13 @@ def estimate_layout(
     transfer of the batch's hidden states. Tensor parallelism adds its all-reduces
     (`tp_communication_time_s`). Fits when weights and KV take at most `usable_fraction` of
     each GPU's memory.
+
+    By default one micro-batch is in flight: each stage idles (pp - 1) / pp of the step, as in
+    minillm's engine, which drains its pipeline every step. `pipelined=True` prices the
+    steady state of an engine that keeps pp micro-batches in flight (vLLM V1): the replica's
+    sequences form pp micro-batches, each stage works on one at a time (reading its share of
+    the weights once per micro-batch), and a sequence gets its next token once every stage
+    has served every micro-batch: ITL = pp x (a stage's time for one micro-batch).
     """
     check_tensor_parallel(config, tp)
     pipeline_stage_layers(config.num_hidden_layers, pp)
@@ -364,6 +409,25 @@ def estimate_layout(
     memory = weight_bytes_per_gpu(config, tp, pp, dtype) + kv_bytes_per_gpu(
         config, batch * context_len, tp, pp, dtype
     )
+    if pipelined and pp > 1:
+        micro = math.ceil(batch / pp)
+        cost = roofline.decode_step_cost(config, micro, context_len, dtype)
+        floor = roofline.step_time_floor_s(
+            cost, device.peak_flops(dtype), device.memory_bandwidth_bytes_per_s
+        )
+        micro_bytes = micro * config.hidden_size * dtype_bytes(dtype)
+        stage_comm = tp_communication_time_s(config, micro, tp, link, dtype) / pp
+        stage_comm += transfer_time_s(micro_bytes, link)
+        return LayoutEstimate(
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            memory_per_gpu_bytes=memory,
+            fits=memory <= device.memory_bytes * usable_fraction,
+            compute_s=floor / tp,  # pp stages x (floor / (tp x pp)) each
+            communication_s=pp * stage_comm,
+            batch_per_replica=batch,
+        )
     cost = roofline.decode_step_cost(config, batch, context_len, dtype)
     compute = (
         roofline.step_time_floor_s(

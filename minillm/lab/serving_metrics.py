@@ -5,17 +5,26 @@ exercise) can write down by hand. One request is measured by
 
     start      when the request counts as sent: its *scheduled* time in an open-loop run,
                so that a late send is counted as latency (no coordinated omission)
-    t[0..n-1]  when each of its n output tokens (streamed chunks) reached the client
-    end        when its response finished (the stream's last byte)
+    t[0..k-1]  when each streamed chunk with output reached the client
+    n          how many output tokens the request produced (the server's usage count, else
+               the received text re-tokenized); k = n only when every chunk holds one token
+    end        when the response ended; `minillm bench serve` takes the last chunk's arrival,
+               as vLLM's benchmark does (0.11, `vllm/benchmarks/lib/endpoint_request_func.py`:
+               `latency = most_recent_timestamp - st`), so the usage chunk and `[DONE]` after
+               the last token count in no latency
 
 and every latency is a difference of these (seconds):
 
     TTFT            = t[0] - start                       time to first token
-    ITL gaps (TBT)  = t[i] - t[i-1], i = 1 .. n-1        one gap per token after the first
+    ITL gaps (TBT)  = t[i] - t[i-1], i = 1 .. k-1        one gap per chunk after the first
     E2EL            = end - start                        end-to-end latency
     TPOT            = (E2EL - TTFT) / (n - 1)            time per output token, first excluded
     TPOT incl.      = E2EL / n                           the minority convention, first included
     worst gap       = max over the ITL gaps of one stream
+
+TPOT divides by tokens, ITL by chunks: a server that sends four tokens a chunk has ITL gaps
+four decode steps long and a TPOT of one step (vLLM 0.11's `calculate_metrics` in
+`vllm/benchmarks/serve.py` does the same: `output_tokens` from usage, else the tokenizer).
 
 Percentiles are nearest-rank: the p-th percentile of N values is the smallest value that at
 least p % of them do not exceed, always one of the values (`percentile`).
@@ -58,23 +67,36 @@ def e2el_s(start_s: float, end_s: float) -> float:
     return end_s - start_s
 
 
-def tpot_s(start_s: float, token_times_s: Sequence[float], end_s: float) -> float | None:
+def _num_tokens(token_times_s: Sequence[float], num_tokens: int | None) -> int:
+    if num_tokens is None:
+        return len(token_times_s)
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+    return num_tokens
+
+
+def tpot_s(
+    start_s: float, token_times_s: Sequence[float], end_s: float, num_tokens: int | None = None
+) -> float | None:
     """Time per output token after the first: (E2EL - TTFT) / (n - 1); None when n = 1.
 
+    n is `num_tokens` (the request's output tokens), or one token per chunk when it is None.
     The convention of vLLM's and SGLang's benchmarks and of GenAI-Perf's ITL: the first
     token's time is TTFT's, so it is left out, and n tokens leave n - 1 gaps.
     """
     _check_times(start_s, token_times_s)
-    n = len(token_times_s)
+    n = _num_tokens(token_times_s, num_tokens)
     if n < 2:
         return None
     return (e2el_s(start_s, end_s) - ttft_s(start_s, token_times_s)) / (n - 1)
 
 
-def tpot_incl_first_s(start_s: float, token_times_s: Sequence[float], end_s: float) -> float:
+def tpot_incl_first_s(
+    start_s: float, token_times_s: Sequence[float], end_s: float, num_tokens: int | None = None
+) -> float:
     """The other convention: E2EL / n, the first token (and with it TTFT) included."""
     _check_times(start_s, token_times_s)
-    return e2el_s(start_s, end_s) / len(token_times_s)
+    return e2el_s(start_s, end_s) / _num_tokens(token_times_s, num_tokens)
 
 
 def worst_gap_s(token_times_s: Sequence[float]) -> float | None:
@@ -108,6 +130,7 @@ class RequestTiming:
     token_times_s: tuple[float, ...]  # arrival of each output chunk
     end_s: float  # end of the response
     ok: bool = True  # False: an error, no latency is counted
+    num_tokens: int | None = None  # output tokens; None: one per chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +149,7 @@ def meets_slo(timing: RequestTiming, slo: Slo) -> bool:
     start = timing.scheduled_s
     if slo.ttft_s is not None and ttft_s(start, timing.token_times_s) > slo.ttft_s:
         return False
-    tpot = tpot_s(start, timing.token_times_s, timing.end_s)
+    tpot = tpot_s(start, timing.token_times_s, timing.end_s, timing.num_tokens)
     if slo.tpot_s is not None and tpot is not None and tpot > slo.tpot_s:
         return False
     return slo.e2el_s is None or e2el_s(start, timing.end_s) <= slo.e2el_s

@@ -26,7 +26,7 @@ ExceptionGroup = (
     getattr(builtins, "ExceptionGroup", None)
     or importlib.import_module("exceptiongroup").ExceptionGroup
 )
-DEFINITION = re.compile(r"^(?:def|class) (\w+)\b", re.MULTILINE)
+DEFINITION = re.compile(r"^(?:async def|def|class) (\w+)\b", re.MULTILINE)
 
 
 def run_cell(source: str, namespace: dict) -> None:

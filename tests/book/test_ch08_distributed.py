@@ -187,10 +187,12 @@ def kv(factor=2, heads="kv", bits=1, latency=True, constant=None, as_dict=False)
 # -- exercise 8: pick a layout ------------------------------------------------------------
 
 
-def picker(rule, sort_in_place=False, as_triple=False):
+def picker(rule, sort_in_place=False, as_triple=False, strict=False):
     def pick_layout(estimates, itl_target_s):
         pool = estimates if rule == "ignores fits" else [e for e in estimates if e.fits]
-        good = [e for e in pool if e.step_s <= itl_target_s]
+        good = [
+            e for e in pool if (e.step_s < itl_target_s if strict else e.step_s <= itl_target_s)
+        ]
         if not good:
             return None
         if rule == "lowest latency":
@@ -199,6 +201,8 @@ def picker(rule, sort_in_place=False, as_triple=False):
             best = good[0]
         elif rule == "larger tp":
             best = min(good, key=lambda e: (-e.tokens_per_s, -e.tp, e.pp))
+        elif rule == "pp first":
+            best = min(good, key=lambda e: (-e.tokens_per_s, e.pp, e.tp))
         else:
             best = min(good, key=lambda e: (-e.tokens_per_s, e.tp, e.pp))
         if sort_in_place:
@@ -211,36 +215,80 @@ def picker(rule, sort_in_place=False, as_triple=False):
 # -- exercise 9: vocabulary-parallel embedding --------------------------------------------
 
 
-def embedding(
-    mask=True, offset=True, ownership="blocks", size_of=None, shift_ids=False, as_tuple=False
-):
+def lookup(mask=True, offset=True, shift_ids=False):
+    def shard_lookup(token_ids, shard, start):
+        ids = token_ids
+        if shift_ids:
+            token_ids -= start
+            ids, start = token_ids, 0
+        mine = (ids >= start) & (ids < start + shard.shape[0])
+        if shard.shape[0] == 0:
+            return torch.zeros(*ids.shape, shard.shape[1], dtype=shard.dtype)
+        local = (ids - start) if offset else ids
+        rows = shard[local.clamp(0, shard.shape[0] - 1)]
+        return rows * mine.unsqueeze(-1).to(shard.dtype) if mask else rows
+
+    return shard_lookup
+
+
+def embedding(size_of=None, as_tuple=False, round_robin=False):
     def vocab_parallel_embedding(token_ids, weight, tp):
         vocab = weight.shape[0]
         size = size_of(vocab, tp) if size_of else -(-vocab // tp)
         partials = []
         for rank in range(tp):
-            if ownership == "round robin":
-                mine = token_ids % tp == rank
-                rows = weight[token_ids]
+            if round_robin:
+                rows = weight[token_ids] * (token_ids % tp == rank).unsqueeze(-1).to(weight.dtype)
             else:
-                lo = rank * size
+                lo = min(rank * size, vocab)
                 hi = vocab if (size_of and rank == tp - 1) else min(lo + size, vocab)
-                if shift_ids:
-                    token_ids -= lo
-                    ids, lo_here = token_ids, 0
-                else:
-                    ids, lo_here = token_ids, lo
-                mine = (ids >= lo_here) & (ids < lo_here + (hi - lo))
-                local = (ids - lo_here) if offset else ids
-                shard = weight[lo:hi] if hi > lo else weight[:0]
-                if shard.shape[0] == 0:
-                    rows = torch.zeros(*ids.shape, weight.shape[1], dtype=weight.dtype)
-                else:
-                    rows = shard[local.clamp(0, shard.shape[0] - 1)]
-            partials.append(rows * mine.unsqueeze(-1).to(weight.dtype) if mask else rows)
+                rows = lookup()(token_ids, weight[lo:hi], lo)
+            partials.append(rows)
         return sum(partials), tuple(partials) if as_tuple else partials
 
     return vocab_parallel_embedding
+
+
+def ring(skip_gather=False, count_elements=False, chunk_order=1, mutate=False):
+    def ring_all_reduce(x, rank, world_size, send, recv):
+        p = world_size
+        chunks = list(x.chunk(p)) if mutate else [c.clone() for c in x.chunk(p)]
+        sent = 0
+        for k in range(p - 1):
+            out, into = (rank - k) % p, (rank - chunk_order * (k + 1)) % p
+            send(chunks[out], (rank + 1) % p)
+            sent += chunks[out].numel() * (1 if count_elements else chunks[out].element_size())
+            buffer = torch.empty_like(chunks[into])
+            recv(buffer, (rank - 1) % p)
+            if mutate:
+                chunks[into] += buffer
+            else:
+                chunks[into] = chunks[into] + buffer
+        if not skip_gather:
+            for k in range(p - 1):
+                out, into = (rank + 1 - k) % p, (rank - k) % p
+                send(chunks[out], (rank + 1) % p)
+                sent += chunks[out].numel() * (1 if count_elements else chunks[out].element_size())
+                buffer = torch.empty_like(chunks[into])
+                recv(buffer, (rank - 1) % p)
+                chunks[into] = buffer
+        return torch.cat(chunks), sent
+
+    return ring_all_reduce
+
+
+def all_reduce_by_gathering(x, rank, world_size, send, recv):
+    """Everyone sends its whole tensor to everyone: right sum, (p - 1) n bytes."""
+    for other in range(world_size):
+        if other != rank:
+            send(x, other)
+    total = x.clone()
+    for other in range(world_size):
+        if other != rank:
+            buffer = torch.empty_like(x)
+            recv(buffer, other)
+            total += buffer
+    return total, (world_size - 1) * x.numel() * x.element_size()
 
 
 # -- exercise 10: fit and measurement -----------------------------------------------------
@@ -269,7 +317,9 @@ SIZES = [4096, 65536, 2**20, 4 * 2**20]
 
 
 def fake_timing(times, sizes=SIZES):
-    return AllReduceTiming(2, "gloo", list(sizes), list(times), list(times), list(times))
+    return AllReduceTiming(
+        2, "gloo", "2 CPU processes over gloo", list(sizes), list(times), list(times), list(times)
+    )
 
 
 def constant_timing(world_size):
@@ -358,18 +408,29 @@ WRONG_ANSWERS = {
         "lowest latency": picker("lowest latency"),
         "first that qualifies": picker("first"),
         "tie to the larger tp": picker("larger tp"),
+        "ties by pp before tp": picker("pp first"),
+        "strict < against the target": picker("best", strict=True),
         "sorts the list": picker("best", sort_in_place=True),
         "a (tp, pp, dp) tuple": picker("best", as_triple=True),
     },
+    "shard_lookup": {
+        "no mask": lookup(mask=False),
+        "no offset": lookup(offset=False),
+        "shifts the caller's ids": lookup(shift_ids=True),
+    },
     "vocab_parallel_embedding": {
-        "no mask": embedding(mask=False),
-        "no offset": embedding(offset=False),
-        "round-robin rows": embedding(ownership="round robin"),
+        "round-robin rows": embedding(round_robin=True),
         "floor size, the last rank takes the rest": embedding(
             size_of=lambda v, tp: max(v // tp, 1)
         ),
-        "shifts the caller's ids": embedding(shift_ids=True),
         "a tuple of partials": embedding(as_tuple=True),
+    },
+    "ring_all_reduce": {
+        "no all-gather": ring(skip_gather=True),
+        "elements, not bytes": ring(count_elements=True),
+        "receives into the wrong chunk": ring(chunk_order=0),
+        "adds into x's own storage": ring(mutate=True),
+        "everyone sends everything": all_reduce_by_gathering,
     },
     "fit_line": {
         "through the end points": end_points,
@@ -388,5 +449,5 @@ WRONG_ANSWERS = {
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch08_distributed.ipynb"
     EXERCISE = ROOT / "exercises" / "ch08_distributed.ipynb"
-    POINTS = [3, 2, 2, 3, 3, 3, 2, 3, 4, 3]
+    POINTS = [3, 2, 2, 3, 3, 3, 2, 3, 4, 3, 5]
     WRONG_ANSWERS = WRONG_ANSWERS

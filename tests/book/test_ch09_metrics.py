@@ -9,8 +9,11 @@ an answer that changes its input, besides the mistakes the chapter warns about.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 import statistics
+import time
 
 from .conftest import ROOT
 from .exercise_checks import ExerciseChecks
@@ -116,7 +119,9 @@ def p99_mean_gap(gaps):
     return nr([statistics.fmean(g) for g in gaps], 99)
 
 
-def goodput_rule(count_failed=False, one_token_fails=False, per_request=False, ttft_only=False):
+def goodput_rule(
+    count_failed=False, one_token_fails=False, per_request=False, ttft_only=False, to_last=False
+):
     def goodput(requests, slo, duration_s):
         good = 0
         for r in requests:
@@ -131,7 +136,8 @@ def goodput_rule(count_failed=False, one_token_fails=False, per_request=False, t
             if (
                 not ttft_only
                 and len(times) > 1
-                and (r["end"] - r["start"] - ttft) / (len(times) - 1) > slo["tpot"]
+                and ((times[-1] if to_last else r["end"]) - r["start"] - ttft) / (len(times) - 1)
+                > slo["tpot"]
             ):
                 continue
             good += 1
@@ -181,7 +187,7 @@ def in_flight(clip=True, per_request=False):
     return mean_in_flight
 
 
-def quantile_rule(interpolate=True, from_zero=False, cumulative=True, inf_value=None):
+def quantile_rule(interpolate=True, from_zero=False, cumulative=True, inf_value=None, strict=False):
     def quantile_from_buckets(q, buckets):
         if not cumulative:  # treats each count as the bucket's own
             running, rebuilt = 0.0, []
@@ -190,7 +196,11 @@ def quantile_rule(interpolate=True, from_zero=False, cumulative=True, inf_value=
                 rebuilt.append((le, running))
             buckets = rebuilt
         rank = q * buckets[-1][1]
-        i = next(j for j, (_, count) in enumerate(buckets) if count >= rank)
+        i = next(
+            j
+            for j, (_, count) in enumerate(buckets)
+            if (count > rank if strict else count >= rank) or j == len(buckets) - 1
+        )
         upper, count = buckets[i]
         if upper == math.inf:
             return inf_value if inf_value is not None else buckets[-2][0]
@@ -235,6 +245,69 @@ def by_label(values, order):
         [v for v, x in zip(values, order, strict=True) if x == "A"],
         [v for v, x in zip(values, order, strict=True) if x == "B"],
     )
+
+
+def share_ge(gaps, f):
+    return sum(max(g) >= f for g in gaps) / len(gaps)
+
+
+def stream_reader(
+    count_empty=False,
+    count_usage=False,
+    tokens_from_chunks=False,
+    stop_at_error=True,
+    stop_at_done=True,
+):
+    def read_stream(events):
+        times, num_tokens, error = [], None, None
+        for arrival, line in events:
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                if stop_at_done:
+                    break
+                continue
+            chunk = json.loads(data)
+            if "error" in chunk:
+                if stop_at_error:
+                    error = chunk["error"]["message"]
+                    break
+                continue
+            choices = chunk.get("choices") or []
+            if (choices and (choices[0].get("text") or count_empty)) or (
+                count_usage and chunk.get("usage")
+            ):
+                times.append(arrival)
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+        if tokens_from_chunks:
+            num_tokens = len(times)
+        return {"token_times": times, "num_tokens": num_tokens, "error": error}
+
+    return read_stream
+
+
+def scheduler(sequential=False, all_at_once=False, zero_lags=False):
+    async def send_on_schedule(starts_s, send):
+        t0 = time.perf_counter()
+        lags = [0.0] * len(starts_s)
+
+        async def one(i):
+            if not all_at_once:
+                await asyncio.sleep(max(0.0, t0 + starts_s[i] - time.perf_counter()))
+            if not zero_lags:
+                lags[i] = time.perf_counter() - t0 - starts_s[i]
+            await send(i)
+
+        if sequential:
+            for i in range(len(starts_s)):
+                await one(i)
+        else:
+            await asyncio.gather(*(one(i) for i in range(len(starts_s))))
+        return lags
+
+    return send_on_schedule
 
 
 def alternating(values, order):
@@ -287,6 +360,7 @@ WRONG_ANSWERS = {
         "p99 of per-stream mean gaps": freeze(share_streams, p99_pooled, p99_mean_gap),
         "worst gaps for both": freeze(share_streams, p99_worst, p99_worst),
         "hard-coded worked example": lambda streams, f: (0.03, 0.02, 2.02),
+        ">= for exceeds": freeze(lambda gaps, f: share_ge(gaps, f), p99_pooled, p99_worst),
         "a list instead of a tuple": lambda streams, f: list(
             freeze(share_streams, p99_pooled, p99_worst)(streams, f)
         ),
@@ -296,6 +370,7 @@ WRONG_ANSWERS = {
         "one-token requests fail TPOT": goodput_rule(one_token_fails=True),
         "a share of requests": goodput_rule(per_request=True),
         "TTFT only": goodput_rule(ttft_only=True),
+        "TPOT to the last token, not the end": goodput_rule(to_last=True),
         "hard-coded worked example": lambda requests, slo, duration_s: 1.0,
         "an int": lambda requests, slo, duration_s: int(goodput_rule()(requests, slo, duration_s)),
     },
@@ -325,7 +400,26 @@ WRONG_ANSWERS = {
         "interpolated from 0": quantile_rule(from_zero=True),
         "counts read as per bucket": quantile_rule(cumulative=False),
         "+Inf returned": quantile_rule(inf_value=math.inf),
+        "first bucket with count > rank": quantile_rule(strict=True),
         "hard-coded worked example": lambda q, buckets: 0.4 if q == 0.5 else 1.0,
+    },
+    "read_stream": {
+        "empty chunks counted": stream_reader(count_empty=True),
+        "usage chunk counted": stream_reader(count_usage=True),
+        "tokens = chunks": stream_reader(tokens_from_chunks=True),
+        "error event ignored": stream_reader(stop_at_error=False),
+        "reads past [DONE]": stream_reader(stop_at_done=False),
+        "hard-coded worked example": lambda events: {
+            "token_times": [0.5, 0.7, 0.9],
+            "num_tokens": 12,
+            "error": None,
+        },
+        "a tuple instead of a dict": lambda events: tuple(stream_reader()(events).values()),
+    },
+    "send_on_schedule": {
+        "waits for each request (closed loop)": scheduler(sequential=True),
+        "everything at once": scheduler(all_at_once=True),
+        "lags all zero": scheduler(zero_lags=True),
     },
     "counter_rate": {
         "a drop as a negative increase": rate_rule(lambda a, b: b - a),
@@ -345,5 +439,5 @@ WRONG_ANSWERS = {
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch09_metrics.ipynb"
     EXERCISE = ROOT / "exercises" / "ch09_metrics.ipynb"
-    POINTS = [2, 2, 3, 3, 3, 2, 3, 3, 4, 2, 2]
+    POINTS = [1, 1, 1, 1, 1, 1, 3, 1, 4, 1, 1, 6, 5]
     WRONG_ANSWERS = WRONG_ANSWERS

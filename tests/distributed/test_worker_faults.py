@@ -73,3 +73,82 @@ def test_a_rank_that_dies_stops_the_engine_and_the_other_ranks(tmp_path):
     with pytest.raises(WorkerError, match="shut down"):
         llm.generate(["w3"], params, use_tqdm=False)
     llm.shutdown()  # a second shutdown is harmless
+
+
+def _stop_and_expect_named(llm, rank: int, waiting: list[int] | None):
+    processes = llm.engine.executor.processes
+    llm.engine.executor.step_timeout_s = 2.0
+    params = SamplingParams(temperature=0, max_tokens=4)
+    assert len(llm.generate(["w3 w4"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    os.kill(processes[rank].pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(WorkerError) as caught:
+            llm.generate(["w3 w4 w5"], params, use_tqdm=False)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGKILL)
+    message = str(caught.value)
+    assert f"rank {rank} did not finish the step within 2 s" in message
+    assert "is not waiting on another rank" in message
+    if waiting is not None:
+        assert f"ranks {waiting} wait for it in a collective" in message
+    assert not any(process.is_alive() for process in processes)
+
+
+def test_a_stalled_tensor_parallel_rank_is_named_not_waited_for(tmp_path):
+    model = save_checkpoint(build_hf_model("llama", hidden_size=32), tmp_path / "llama")
+    # rank 0 waits in the step's first all-reduce for the stopped rank 1
+    _stop_and_expect_named(LLM(model, tensor_parallel_size=2), 1, [0])
+
+
+def test_a_stalled_decode_rank_is_named_not_waited_for(tmp_path):
+    model = save_checkpoint(build_hf_model("llama", hidden_size=32), tmp_path / "llama")
+    llm = LLM(model, kv_transfer_config={"kv_connector": "TorchDistributedConnector"})
+    # a step without a KV transfer has no collective: nobody waits for rank 1, yet it is late
+    _stop_and_expect_named(llm, 1, None)
+
+
+def test_cpu_ranks_fork_and_gpu_ranks_spawn(monkeypatch):
+    from minillm.distributed import executor
+
+    assert executor.start_method("cuda") == "spawn"
+    assert executor.start_method("cpu") == "fork"  # Linux, CUDA not initialized here
+    monkeypatch.setattr("torch.cuda.is_initialized", lambda: True)
+    assert executor.start_method("cpu") == "spawn"  # a forked child could not use CUDA
+
+
+def test_spawn_failure_from_a_script_says_to_add_the_main_guard(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from minillm.distributed import executor
+
+    script = types.ModuleType("__main__")
+    script.__file__ = str(tmp_path / "run.py")
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    hint = executor.spawn_hint("spawn")
+    assert 'if __name__ == "__main__":' in hint and "run.py" in hint
+    assert executor.spawn_hint("fork") is None
+    del script.__file__  # python -c: nothing to import again
+    assert executor.spawn_hint("spawn") is None
+
+
+@pytest.mark.parametrize("how", ["script", "-c"])
+def test_tensor_parallel_from_a_script_without_a_main_guard(tmp_path, how):
+    import subprocess
+    import sys
+
+    model = save_checkpoint(build_hf_model("llama", hidden_size=32), tmp_path / "llama")
+    code = (
+        "from minillm import LLM, SamplingParams\n"
+        f"llm = LLM({str(model)!r}, tensor_parallel_size=2)\n"
+        "out = llm.generate(['w3 w4'], SamplingParams(temperature=0, max_tokens=3))\n"
+        "print('tokens', len(out[0].outputs[0].token_ids))\n"
+    )
+    script = tmp_path / "five_lines.py"
+    script.write_text(code)
+    command = [sys.executable, str(script)] if how == "script" else [sys.executable, "-c", code]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=os.environ)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tokens 3" in done.stdout

@@ -3,7 +3,8 @@
 It serves /v1/models and streaming /v1/completions and /v1/chat/completions on a loopback
 port (uvicorn in a thread), so the load generator talks real HTTP to it. Each request sleeps
 `first_token_delay_s` before its first chunk and `gap_s` before every later one, and emits
-one word per chunk (" w0", " w1", ...), then a usage chunk and [DONE]. With `serial`, one
+`tokens_per_chunk` words per chunk (" w0", " w1", ...), then a usage chunk and [DONE]; with
+`error_after_chunks`, an SSE error event ends the stream instead. With `serial`, one
 request is served at a time (a server with a single slot), so later ones queue.
 """
 
@@ -30,6 +31,9 @@ class DoubleConfig:
     serial: bool = False
     reject_substring: str | None = None  # prompts containing it get HTTP 400
     usage_offset: int = 0  # usage reports this many tokens more than were streamed
+    tokens_per_chunk: int = 1  # several tokens a chunk, as a server that merges deltas
+    error_after_chunks: int | None = None  # then an SSE error event ends the stream
+    usage_delay_s: float = 0.0  # a pause between the last token and the usage chunk
 
 
 @dataclass
@@ -101,15 +105,21 @@ class OpenAIDouble:
             self.state.max_in_flight = max(self.state.max_in_flight, self.state.in_flight)
             try:
                 n = payload["max_tokens"]
-                for i in range(n):
-                    await asyncio.sleep(config.first_token_delay_s if i == 0 else config.gap_s)
-                    text = f" w{i}"
+                per = config.tokens_per_chunk
+                for c, first in enumerate(range(0, n, per)):
+                    if c == config.error_after_chunks:
+                        error = {"message": "the engine aborted the request", "type": "server"}
+                        yield f"data: {json.dumps({'error': error})}\n\n"
+                        return
+                    await asyncio.sleep(config.first_token_delay_s if c == 0 else config.gap_s)
+                    text = "".join(f" w{i}" for i in range(first, min(n, first + per)))
                     choice = (
                         {"index": 0, "delta": {"content": text}}
                         if chat
                         else {"index": 0, "text": text}
                     )
                     yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                await asyncio.sleep(config.usage_delay_s)
                 usage = {
                     "prompt_tokens": len(prompt.split()),
                     "completion_tokens": n + config.usage_offset,

@@ -211,6 +211,8 @@ def test_the_command_runs_a_sweep_and_writes_json(double, tmp_path):
             "serve",
             "--base-url",
             double.base_url,
+            "--tokenizer",
+            "minillm-stdlib-target",
             "--num-requests",
             "4",
             "--input-len",
@@ -244,3 +246,105 @@ def test_the_command_runs_a_sweep_and_writes_json(double, tmp_path):
     assert plot.stat().st_size > 0
     # warm-up: 1 request, then 3 runs of 4
     assert len(double.state.payloads) == 13
+
+
+def test_tpot_divides_by_tokens_not_chunks(double):
+    # 12 tokens in 3 chunks of 4, 0.05 s apart: TPOT is the 0.1 s of the last two chunks
+    # over the 11 tokens after the first, as vLLM 0.11's benchmark computes it; ITL stays
+    # per chunk (two gaps of >= 0.05 s per request)
+    double.reset(tokens_per_chunk=4, gap_s=0.05)
+    result = loadgen.run(target(double), loadgen.fixed_sessions(2, 4, 12, seed=0), concurrency=1)
+    for r in result.records:
+        assert r.ok and len(r.token_times_s) == 3 and r.output_tokens == 12
+        span = r.token_times_s[-1] - r.token_times_s[0]
+        # computed here from the recorded times, not by the module under test
+        assert r.timing().end_s == r.token_times_s[-1]
+        assert loadgen.sm.tpot_s(r.scheduled_s, r.token_times_s, r.token_times_s[-1], 12) == (
+            pytest.approx(span / 11)
+        )
+    summary = loadgen.summarize(result)
+    spans = [r.token_times_s[-1] - r.token_times_s[0] for r in result.records]
+    assert summary["tpot_s"]["mean"] == pytest.approx(sum(s / 11 for s in spans) / 2)
+    assert summary["tpot_s"]["mean"] < 0.05  # a chunk-count TPOT would be >= 0.05
+    assert summary["itl_s"]["p50"] >= 0.05
+    assert summary["output_tokens"] == 24 and summary["output_chunks"] == 6
+    assert summary["chunks_per_request"]["mean"] == 3
+
+
+def test_tpot_falls_back_to_the_retokenized_count_without_usage():
+    record = loadgen.RequestRecord(0, 0, 0.0, 0.0, [1.0, 2.0, 3.0], 3.5, " a b c d e f g")
+    assert record.timing().num_tokens is None
+    record.retokenized_output_tokens = 7
+    timing = record.timing()
+    assert timing.num_tokens == 7 and timing.end_s == 3.0
+    assert sm.tpot_s(0.0, timing.token_times_s, timing.end_s, 7) == pytest.approx(2.0 / 6)
+    record.output_tokens = 5  # the server's usage wins over the re-tokenized count
+    assert record.timing().num_tokens == 5
+
+
+def test_e2el_ends_at_the_last_chunk_not_the_usage_chunk(double):
+    double.reset(gap_s=0.01, usage_delay_s=0.3)
+    result = loadgen.run(target(double), loadgen.fixed_sessions(1, 4, 3, seed=0), concurrency=1)
+    (r,) = result.records
+    assert r.end_s - r.token_times_s[-1] >= 0.3  # the stream really ended late
+    summary = loadgen.summarize(result)
+    assert summary["e2el_s"]["p50"] == pytest.approx(r.token_times_s[-1] - r.scheduled_s)
+    assert summary["tpot_s"]["p50"] == pytest.approx((r.token_times_s[-1] - r.token_times_s[0]) / 2)
+
+
+def test_a_stream_ending_in_an_error_event_fails(double):
+    double.reset(error_after_chunks=2)
+    result = loadgen.run(target(double), loadgen.fixed_sessions(2, 4, 5, seed=0), concurrency=1)
+    for r in result.records:
+        assert len(r.token_times_s) == 2 and not r.ok
+        assert "error event after 2 chunks" in r.error and "aborted" in r.error
+    summary = loadgen.summarize(result)
+    assert summary["completed"] == 0 and summary["failed"] == 2
+    assert any("aborted" in e for e in summary["errors"])
+
+
+def test_progress_counts_each_request_as_it_ends(double):
+    import io
+
+    double.reset()
+    stream = io.StringIO()
+    progress = loadgen.Progress(stream)
+    seen = []
+
+    def on_done(record):
+        seen.append(len(stream.getvalue()))
+        progress(record)
+
+    loadgen.run(
+        target(double), loadgen.fixed_sessions(3, 4, 2, seed=0), concurrency=1, on_done=on_done
+    )
+    assert len(seen) == 3 and seen == sorted(seen)
+    assert stream.getvalue().endswith("\r  3 done, 0 failed")
+
+
+def test_warm_up_that_fails_entirely_stops_with_the_reason(double):
+    double.reset(reject_substring="warm-up")
+    with pytest.raises(RuntimeError, match="all 2 warm-up requests.*HTTP 400.*rejected"):
+        loadgen.warm_up(target(double), 2)
+
+
+def test_the_command_prints_failure_reasons_and_needs_a_tokenizer(double, capsys):
+    from minillm.cli.main import main
+
+    double.reset(error_after_chunks=1)
+    args = ["bench", "serve", "--base-url", double.base_url, "--num-requests", "2"]
+    args += ["--input-len", "4", "--output-len", "3", "--concurrency", "1", "--warmup", "0"]
+    assert main(args) != 0
+    assert "serves 'double'" in capsys.readouterr().err
+    assert main([*args, "--tokenizer", "minillm-stdlib-target"]) == 0
+    out = capsys.readouterr()
+    assert "failed: error event after 1 chunks: the engine aborted the request" in out.out
+    assert "0 done, 2 failed" in out.err
+
+
+def test_default_tokenizer_is_the_served_models_when_local(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert loadgen.default_tokenizer(str(tmp_path)) == str(tmp_path)
+    assert loadgen.default_tokenizer("minillm-stdlib-target").endswith("minillm-stdlib-target")
+    with pytest.raises(ValueError, match="meta-llama/Llama-3.1-8B"):
+        loadgen.default_tokenizer("meta-llama/Llama-3.1-8B")
