@@ -248,3 +248,31 @@ def test_the_glossary_is_grouped_by_first_letter_in_order():
     # the jump bar links every letter's section
     bar = next(line for line in text.splitlines() if line.startswith("**Jump to:**"))
     assert re.findall(r"\[(\w)\]\(#glossary-\w\)", bar) == letters
+
+
+def test_chapter_10_marks_every_term_the_glossary_sends_to_it():
+    """An entry whose link points into chapter 10 is marked with {term} in some chapter, so
+    the glossary's promise (a chapter marks a term where it explains it) holds there."""
+    body = glossary_body((BOOK / "glossary.md").read_text())
+    entries: list[tuple[list[str], str]] = []
+    for line in body.splitlines():
+        if not line.strip():
+            continue
+        if not line[0].isspace():
+            if not entries or entries[-1][1]:
+                entries.append(([], ""))
+            entries[-1][0].append(line.strip().lower())
+        else:
+            entries[-1] = (entries[-1][0], entries[-1][1] + line)
+    chapter_10 = set()
+    for page in BOOK.glob("10_*.md"):
+        chapter_10 |= set(_LABEL.findall(page.read_text()))
+    marked = {target.lower() for _, target in roles("term")}
+    unmarked = [
+        names[0]
+        for names, definition in entries
+        if {role_target(t) for k, t in _ROLE.findall(definition) if k == "ref"} & chapter_10
+        and not set(names) & marked
+    ]
+    assert len(entries) > 200
+    assert unmarked == [], f"glossary entries taught in chapter 10 but never marked: {unmarked}"
