@@ -90,6 +90,8 @@ class ScalerTrace:
     starting: np.ndarray  # replicas in their cold start
     queue: np.ndarray  # requests waiting for a seat
     waits_s: np.ndarray  # each admitted request's wait, in arrival order
+    arrived_s: np.ndarray  # when each of those requests arrived (the fleet starts empty,
+    # so the first service time is a start-up transient to leave out)
     replica_s: float  # replica-seconds paid for (starting ones included)
 
 
@@ -122,7 +124,7 @@ def simulate_scaler(
     waiting: deque[float] = deque()  # arrival times
     # the start counts as a decision, so the first empty syncs do not scale the fleet down
     desired_history: deque[tuple[float, int]] = deque([(0.0, initial_replicas)])
-    rows, waits, replica_s = [], [], 0.0
+    rows, waits, arrived, replica_s = [], [], [], 0.0
     sync_every = round(sync_s / dt)
     for i in range(int(seconds / dt)):
         t = i * dt
@@ -134,7 +136,8 @@ def simulate_scaler(
             starting.popleft()
             ready += 1
         while waiting and len(running) < ready * seats:  # a removed replica drains
-            waits.append(t - waiting.popleft())
+            arrived.append(waiting.popleft())
+            waits.append(t - arrived[-1])
             running.append(t + service_s)
         if i % sync_every == 0:
             demand = len(running) + len(waiting)
@@ -153,4 +156,6 @@ def simulate_scaler(
         rows.append((t, rate, ready, len(starting), len(waiting)))
         replica_s += (ready + len(starting)) * dt
     cols = np.array(rows).T
-    return ScalerTrace(cols[0], cols[1], cols[2], cols[3], cols[4], np.array(waits), replica_s)
+    return ScalerTrace(
+        cols[0], cols[1], cols[2], cols[3], cols[4], np.array(waits), np.array(arrived), replica_s
+    )
