@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,6 +78,27 @@ def simulate_replica(
         kv += len(running) / max_running
         queue += waiting
     return ReplicaSignals(busy / steps, kv / steps, queue / steps)
+
+
+def desired_replicas(demand: int, seats: int, target_usage: float, max_replicas: int) -> int:
+    """Target tracking: enough replicas to hold `demand` requests at `target_usage` of their
+    seats, at least 1 and at most `max_replicas`."""
+    return min(max_replicas, max(1, math.ceil(demand / (seats * target_usage))))
+
+
+def fleet_after_sync(
+    current: int,
+    demand: int,
+    seats: int,
+    target_usage: float,
+    recent_desired: Sequence[int],
+    max_replicas: int,
+) -> int:
+    """The fleet size a sync leaves: up at once to the desired count; down only to the
+    largest count desired now or at the syncs of the stabilization window
+    (`recent_desired`)."""
+    desired = desired_replicas(demand, seats, target_usage, max_replicas)
+    return max(desired, min(current, max([desired, *recent_desired])))
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,15 +161,27 @@ def simulate_scaler(
             waits.append(t - arrived[-1])
             running.append(t + service_s)
         if i % sync_every == 0:
-            demand = len(running) + len(waiting)
-            desired = min(max_replicas, max(1, math.ceil(demand / (seats * target_usage))))
-            desired_history.append((t, desired))
-            while desired_history[0][0] < t - scale_down_window_s:
+            while desired_history and desired_history[0][0] < t - scale_down_window_s:
                 desired_history.popleft()
-            allowed = max(d for _, d in desired_history)  # stabilization: the window's max
-            while ready + len(starting) < desired:
+            fleet = fleet_after_sync(
+                ready + len(starting),
+                len(running) + len(waiting),
+                seats,
+                target_usage,
+                [d for _, d in desired_history],
+                max_replicas,
+            )
+            desired_history.append(
+                (
+                    t,
+                    desired_replicas(
+                        len(running) + len(waiting), seats, target_usage, max_replicas
+                    ),
+                )
+            )
+            while ready + len(starting) < fleet:
                 starting.append(t + cold_start_s)
-            while ready + len(starting) > allowed:  # cancel a start before stopping one
+            while ready + len(starting) > fleet:  # cancel a start before stopping one
                 if starting:
                     starting.pop()
                 else:

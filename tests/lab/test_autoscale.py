@@ -5,7 +5,12 @@ import math
 import numpy as np
 import pytest
 
-from minillm.lab.autoscale import simulate_replica, simulate_scaler
+from minillm.lab.autoscale import (
+    desired_replicas,
+    fleet_after_sync,
+    simulate_replica,
+    simulate_scaler,
+)
 
 
 @pytest.mark.parametrize("rate, service", [(0.25, 2.0), (0.5, 2.0), (1.0, 1.0)])
@@ -87,3 +92,13 @@ def test_bad_scaler_arguments():
         scaled(1.5)
     with pytest.raises(ValueError, match="initial_replicas"):
         scaled(0.8, initial_replicas=0)
+
+
+def test_one_sync_by_hand():
+    # 100 requests on 16-seat replicas at 80%: 100 / 12.8 = 7.8 -> 8 replicas
+    assert desired_replicas(100, 16, 0.8, 64) == 8
+    assert desired_replicas(0, 16, 0.8, 64) == 1 and desired_replicas(10_000, 16, 0.8, 64) == 64
+    assert fleet_after_sync(5, 100, 16, 0.8, [], 64) == 8  # up at once
+    assert fleet_after_sync(10, 100, 16, 0.8, [9, 7], 64) == 9  # down to the window's largest
+    assert fleet_after_sync(10, 100, 16, 0.8, [12], 64) == 10  # the window never adds
+    assert fleet_after_sync(10, 100, 16, 0.8, [], 64) == 8  # no window: straight down
