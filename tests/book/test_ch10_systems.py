@@ -278,6 +278,31 @@ def _pool_busy_at_arrival(arrivals, service_s, warm, cold_start_s):
     return waits
 
 
+def scaler(
+    stabilize=True,
+    rounding=math.ceil,
+    cap=True,
+    at_least_one=True,
+    up_window=False,
+    mutate=False,
+    times_target=False,
+):
+    def fleet_after_sync(current, demand, seats, target_usage, recent_desired, max_replicas):
+        need = demand * target_usage / seats if times_target else demand / (seats * target_usage)
+        desired = rounding(need)
+        desired = max(1, desired) if at_least_one else desired
+        desired = min(max_replicas, desired) if cap else desired
+        if mutate:
+            recent_desired.append(desired)
+        if up_window:
+            return max([desired, *recent_desired])
+        if not stabilize or desired >= current:
+            return desired
+        return min(current, max([desired, *recent_desired]))
+
+    return fleet_after_sync
+
+
 WRONG_ANSWERS = {
     "pick_least_outstanding": {
         "most outstanding": least(key=max),
@@ -382,11 +407,21 @@ WRONG_ANSWERS = {
         "32 ahead already spills": router(strict=False),
         "counts the choice in `outstanding`": router(mutate=True),
     },
+    "fleet_after_sync": {
+        "no stabilization window": scaler(stabilize=False),
+        "rounds down": scaler(rounding=math.floor),
+        "floor plus one": scaler(rounding=lambda x: int(x) + 1),
+        "ignores max_replicas": scaler(cap=False),
+        "may scale to zero": scaler(at_least_one=False),
+        "the window scales up too": scaler(up_window=True),
+        "appends to `recent_desired`": scaler(mutate=True),
+        "demand times the target": scaler(times_target=True),
+    },
 }
 
 
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch10_systems.ipynb"
     EXERCISE = ROOT / "exercises" / "ch10_systems.ipynb"
-    POINTS = [2, 3, 2, 3, 2, 2, 2, 3, 3, 3, 3, 3]
+    POINTS = [2, 3, 2, 3, 2, 2, 2, 3, 3, 3, 3, 3, 3]
     WRONG_ANSWERS = WRONG_ANSWERS
