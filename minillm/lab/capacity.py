@@ -27,8 +27,15 @@ load makes tokens at X(b) * tokens per request per second, and a million of them
 `1e6 * price / 3600 / (tokens per second)`. The deployment's cost counts what it is paid
 for, every replica whether busy or not: `replicas * price / 3600 / (target tokens per s)`.
 
-No queueing is modelled: at a utilization near 1 the waits grow without bound (chapter 9);
-plan for headroom with `target_utilization` (< 1). This model counts one GPU per replica.
+Queueing. The formulas above are means of a full replica: a request is assumed to find a
+free seat at once. With arrivals at random, a replica is a `b`-seat queue (every request
+holds a seat for `hold = b / X(b)` seconds, one cycle) and at a utilization near 1 some
+requests wait for a seat, a wait the TTFT above leaves out. `Slo.ttft_percentile` plans for
+it: the TTFT target then applies to that percentile of `t_p + t_d(b) + seat wait`, the wait
+from Erlang C (`minillm.lab.queueing`, Poisson arrivals split evenly over the replicas,
+exponential holding times, which overstate the wait of fixed-length requests a little),
+and the planner adds replicas until it holds. `target_utilization` (< 1) is the cruder
+rule of thumb. This model counts one GPU per replica.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from minillm.lab import queueing
 from minillm.lab.catalog import get_model_config
 from minillm.lab.hardware import DeviceSpec, get_device
 from minillm.lab.kv_memory import layout_from_config, num_sequences_that_fit, vllm_kv_pool_bytes
@@ -54,10 +62,17 @@ SECONDS_PER_HOUR = 3600.0
 
 @dataclass(frozen=True, slots=True)
 class Slo:
-    """Targets on the mean TPOT and on the TTFT of a request that does not queue (seconds)."""
+    """Targets on the mean TPOT and on the TTFT (seconds). With `ttft_percentile` None the
+    TTFT target is for a request that finds a free seat; with a percentile (0.99: p99) it
+    is for that percentile of the TTFT including the wait for a seat."""
 
     tpot_s: float
     ttft_s: float
+    ttft_percentile: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.ttft_percentile is not None and not 0 < self.ttft_percentile < 1:
+            raise ValueError(f"ttft_percentile must be in (0, 1), got {self.ttft_percentile}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +158,42 @@ def replicas_needed(
     return math.ceil(target_requests_per_s / (requests_per_s_per_replica * target_utilization))
 
 
+def seat_hold_s(point: OperatingPoint) -> float:
+    """How long a request holds its seat at `point`: one cycle, `b / X(b)` (Little's law)."""
+    return point.batch_size / point.requests_per_s
+
+
+def seat_wait_quantile_s(
+    point: OperatingPoint, replicas: int, target_requests_per_s: float, q: float
+) -> float:
+    """The q-quantile of the wait for a seat when `replicas` replicas at `point` share
+    Poisson arrivals at `target_requests_per_s` evenly (Erlang C on each replica's
+    `batch_size` seats; inf when a replica is offered more than it can carry)."""
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    hold = seat_hold_s(point)
+    load = target_requests_per_s / replicas * hold
+    if load >= point.batch_size:
+        return math.inf
+    return queueing.wait_quantile_s(point.batch_size, load, hold, q)
+
+
+def replicas_for_ttft_percentile(
+    point: OperatingPoint, target_requests_per_s: float, ttft_s: float, q: float
+) -> int:
+    """The fewest replicas at `point` whose q-quantile TTFT, `point.ttft_s` plus the
+    q-quantile wait for a seat, is at most `ttft_s`."""
+    budget = ttft_s - point.ttft_s
+    if budget < 0:
+        raise ValueError(
+            f"the TTFT without a wait ({point.ttft_s:.4g} s) already exceeds {ttft_s:.4g} s"
+        )
+    replicas = max(1, math.floor(target_requests_per_s / point.requests_per_s) + 1)
+    while seat_wait_quantile_s(point, replicas, target_requests_per_s, q) > budget:
+        replicas += 1
+    return replicas
+
+
 def cost_per_million_tokens(price_per_gpu_hour: float, tokens_per_s_per_gpu: float) -> float:
     """Dollars (or the price's currency) per 10**6 tokens made at `tokens_per_s_per_gpu`."""
     if price_per_gpu_hour < 0 or tokens_per_s_per_gpu <= 0:
@@ -189,6 +240,8 @@ class CapacityPlan:
     cost_per_million_output_tokens_full_load: float
     cost_per_million_tokens_full_load: float  # input + output tokens
     cost_per_million_tokens_at_target: float  # all replicas paid, the target load's tokens
+    utilization: float  # the target load over what the replicas can carry
+    seat_wait_p99_s: float  # p99 wait for a seat at the target load (Erlang C)
 
 
 def plan_capacity(
@@ -234,6 +287,13 @@ def plan_capacity(
             f"TTFT {one.ttft_s * 1e3:.3g} ms): a faster device, or tensor parallelism"
         )
     replicas = replicas_needed(target_requests_per_s, point.requests_per_s, target_utilization)
+    if slo.ttft_percentile is not None and target_requests_per_s > 0:
+        replicas = max(
+            replicas,
+            replicas_for_ttft_percentile(
+                point, target_requests_per_s, slo.ttft_s, slo.ttft_percentile
+            ),
+        )
     target_tokens_per_s = target_requests_per_s * (input_len + output_len)
     at_target = (
         replicas * price_per_gpu_hour / SECONDS_PER_HOUR / target_tokens_per_s * 1e6
@@ -254,4 +314,8 @@ def plan_capacity(
             price_per_gpu_hour, point.total_tokens_per_s
         ),
         cost_per_million_tokens_at_target=at_target,
+        utilization=target_requests_per_s / (replicas * point.requests_per_s),
+        seat_wait_p99_s=seat_wait_quantile_s(point, replicas, target_requests_per_s, 0.99)
+        if replicas
+        else 0.0,
     )

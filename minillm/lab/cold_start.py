@@ -156,6 +156,7 @@ class WarmPoolRun:
     waits_s: tuple[float, ...]
     launched: int  # replicas cold-started on demand
     warm: int  # replicas started in advance
+    replica_s: float  # replica-seconds paid for, from each start to the last request's end
 
     def percentile(self, p: float) -> float:
         """The p-th percentile wait (nearest rank)."""
@@ -182,16 +183,21 @@ def simulate_warm_pool(
     warm_replicas: int,
     cold_start_s: float,
     max_replicas: int | None = None,
+    slots_per_replica: int = 1,
 ) -> WarmPoolRun:
-    """First come first served over replicas serving one request at a time.
+    """First come first served over replicas serving `slots_per_replica` requests at a time.
 
-    `warm_replicas` are ready at time 0. A request that arrives when no replica is free
-    launches one (ready `cold_start_s` later; none past `max_replicas`), then starts on the
-    replica free soonest (ties: the one started first). Replicas stay up once started."""
+    `warm_replicas` are ready at time 0. A request that arrives when no slot is free
+    launches one replica (ready `cold_start_s` later; none past `max_replicas`), then starts
+    on the slot free soonest (ties: the replica started first). Replicas stay up once
+    started, and are paid for from their start (warm ones from 0) to the last request's end:
+    without `max_replicas` a burst launches a replica per waiting request."""
     if warm_replicas < 0 or cold_start_s < 0:
         raise ValueError("expected warm_replicas >= 0 and cold_start_s >= 0")
     if max_replicas is not None and max_replicas < max(1, warm_replicas):
         raise ValueError(f"max_replicas must be >= max(1, warm_replicas), got {max_replicas}")
+    if slots_per_replica < 1:
+        raise ValueError(f"slots_per_replica must be >= 1, got {slots_per_replica}")
     n = len(arrival_times_s)
     services = (
         [float(service_times_s)] * n
@@ -202,18 +208,26 @@ def simulate_warm_pool(
         raise ValueError("service_times_s: one time >= 0 per arrival (or one for all)")
     if any(b < a for a, b in zip(arrival_times_s, arrival_times_s[1:], strict=False)):
         raise ValueError("arrival_times_s must be sorted")
-    free_at = [(0.0, i) for i in range(warm_replicas)]  # (time it can start, replica)
+    # (time a slot can start a request, replica); every replica has slots_per_replica slots
+    free_at = [(0.0, i) for i in range(warm_replicas) for _ in range(slots_per_replica)]
     heapq.heapify(free_at)
-    count, launched, waits = warm_replicas, 0, []
+    started = [0.0] * warm_replicas  # when each replica was started
+    launched, waits, end = 0, [], 0.0
     for t, service in zip(arrival_times_s, services, strict=True):
-        if (not free_at or free_at[0][0] > t) and (max_replicas is None or count < max_replicas):
-            heapq.heappush(free_at, (t + cold_start_s, count))
-            count, launched = count + 1, launched + 1
+        if (not free_at or free_at[0][0] > t) and (
+            max_replicas is None or len(started) < max_replicas
+        ):
+            for _ in range(slots_per_replica):
+                heapq.heappush(free_at, (t + cold_start_s, len(started)))
+            started.append(t)
+            launched += 1
         ready, replica = heapq.heappop(free_at)
         start = max(t, ready)
         waits.append(start - t)
+        end = max(end, start + service)
         heapq.heappush(free_at, (start + service, replica))
-    return WarmPoolRun(tuple(waits), launched, warm_replicas)
+    replica_s = sum(end - s for s in started) if waits else 0.0
+    return WarmPoolRun(tuple(waits), launched, warm_replicas, replica_s)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -184,16 +184,22 @@ def is_imbalanced(
 def prefix_key(body: object, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> str:
     """The routing key of a request body: the first `prefix_chars` characters of its prompt
     (completions: the prompt, or the first of a batch; token ids: as text; chat: the
-    messages' roles and contents in order). A body without a prompt gives ""."""
+    messages' roles and contents in order). A chat that opens with system (or developer)
+    messages keys on those alone, the part a tenant's requests share, so that a system
+    prompt shorter than `prefix_chars` does not pull the user's text into the key. A body
+    without a prompt gives ""."""
     if not isinstance(body, dict):
         return ""
     if "messages" in body and isinstance(body["messages"], list):
+        messages = [m for m in body["messages"] if isinstance(m, dict)]
+        leading = 0
+        while leading < len(messages) and messages[leading].get("role") in ("system", "developer"):
+            leading += 1
         parts = []
-        for m in body["messages"]:
-            if isinstance(m, dict):
-                content = m.get("content")
-                text = content if isinstance(content, str) else json.dumps(content)
-                parts.append(f"{m.get('role')}:{text}\n")
+        for m in messages[: leading or len(messages)]:
+            content = m.get("content")
+            text = content if isinstance(content, str) else json.dumps(content)
+            parts.append(f"{m.get('role')}:{text}\n")
         return "".join(parts)[:prefix_chars]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):

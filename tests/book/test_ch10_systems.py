@@ -98,6 +98,9 @@ def batch(tpot_prefill=True, ttft=True, pick="best", none_as=None, as_rate=False
             ok = tpot <= tpot_slo_s and (not ttft or prefill_s + t_d <= ttft_slo_s)
             if ok and pick == "first":
                 return x if as_rate else b
+            if ok and pick == "largest":
+                best = b
+                continue
             if ok and x > best_x:
                 best, best_x = (x if as_rate else b), x
         return best
@@ -177,73 +180,127 @@ def _starts_empty(self, rate, burst, clock):
     self._level, self._stamp = 0.0, clock()
 
 
-# -- exercise 10: the allocator ----------------------------------------------------------------
+# -- exercise 10: the seat queue -------------------------------------------------------------
 
 
-def allocator(**methods):
-    return FromNamespace(lambda ns: type("WrongAllocator", (ns["Allocator"],), methods))
+def seats(pick="first free", from_zero=False, as_tuple=False, mutate=False, in_turn=False):
+    def seat_waits(arrivals_s, holds_s, seats):
+        free_at = [0.0] * seats
+        waits = []
+        for n, (t, hold) in enumerate(zip(arrivals_s, holds_s, strict=True)):
+            if in_turn:
+                i = n % seats
+            elif pick == "last free":
+                i = max(range(seats), key=free_at.__getitem__)
+            else:
+                i = min(range(seats), key=free_at.__getitem__)
+            start = max(t, free_at[i])
+            waits.append(start if from_zero else start - t)
+            free_at[i] = start + hold
+        if mutate:
+            holds_s.reverse()
+        return tuple(waits) if as_tuple else waits
+
+    return seat_waits
 
 
-def _free_to_head(self, ids):
-    for i in ids:
-        if self.refs[i] < 1:
-            raise ValueError(f"block {i} is already free")
-        self.refs[i] -= 1
-        if self.refs[i] == 0:
-            self.free_list.insert(0, i)
+# -- exercise 11: multi-LoRA rows --------------------------------------------------------------
 
 
-def _free_ignoring_refs(self, ids):
-    for i in ids:
-        if self.refs[i] < 1:
-            raise ValueError(f"block {i} is already free")
-        self.refs[i] = 0
-        if i not in self.free_list:
-            self.free_list.append(i)
+def lora(scale=True, negative_index=False, in_place=False, first_adapter=False, scale_base=False):
+    def lora_rows(x, base_out, adapter_of_row, A, B, scaling):
+        import torch
+
+        out = base_out if in_place else base_out.clone()
+        if scale_base:
+            out = out * scaling
+        present = set(adapter_of_row) if negative_index else set(adapter_of_row) - {-1}
+        for a in sorted(present):
+            chosen = adapter_of_row[0] if first_adapter and adapter_of_row[0] >= 0 else a
+            rows = torch.tensor([i for i, r in enumerate(adapter_of_row) if r == a])
+            delta = (x.index_select(0, rows) @ A[chosen].T) @ B[chosen].T
+            delta = scaling * delta if scale else delta
+            if in_place:
+                out.index_add_(0, rows, delta)
+            else:
+                out = out.index_add(0, rows, delta)
+        return out
+
+    return lora_rows
 
 
-def _allocate_what_is_there(self, n):
-    ids, self.free_list = self.free_list[:n], self.free_list[n:]
-    for i in ids:
-        self.refs[i] = 1
-    return ids
+# -- exercise 12: routing with a load guard ----------------------------------------------------
 
 
-def _free_twice_silently(self, ids):
-    for i in ids:
-        self.refs[i] -= 1
-        if self.refs[i] == 0:
-            self.free_list.append(i)
+def router(rule="both", spill=True, allowed=True, mutate=False, strict=True):
+    def route(key, candidates, outstanding, ring, turn, abs_threshold=32, rel_threshold=1.1):
+        from minillm.serve.router import least_outstanding
+
+        loads = [outstanding.get(c, 0) for c in candidates]
+        busiest, idlest = max(loads), min(loads)
+        ahead = busiest - idlest > abs_threshold if strict else busiest - idlest >= abs_threshold
+        ratio = busiest > idlest * rel_threshold
+        imbalanced = {"both": ahead and ratio, "either": ahead or ratio, "abs": ahead}[rule]
+        if mutate:
+            outstanding[candidates[0]] = outstanding.get(candidates[0], 0) + 1
+        if spill and imbalanced:
+            return least_outstanding(candidates, outstanding, turn)
+        return ring.lookup(key, set(candidates).__contains__) if allowed else ring.lookup(key)
+
+    return route
 
 
-def _fork_nothing(self, ids):
-    return None
+def _fleet_waste_at_plan_target(plan, target_rps):
+    return plan.cost_per_million_tokens_at_target / plan.cost_per_million_tokens_full_load
 
 
-def _free_and_clear(self, ids):
-    type(self).__mro__[1].free(self, ids)
-    ids.clear()
+def _ring_after(nodes, key, virtual_nodes):
+    """The first point strictly after the key's hash (bisect_right)."""
+    points = sorted((stable_hash(f"{n}#{i}"), n) for n in nodes for i in range(virtual_nodes))
+    if not points:
+        return None
+    h = stable_hash(key)
+    return next((n for p, n in points if p > h), points[0][1])
 
 
-# -- exercise 11: copy-on-write ----------------------------------------------------------------
+def _pool_busy_at_arrival(arrivals, service_s, warm, cold_start_s):
+    """Counts a replica that frees exactly at an arrival as busy: launches one more."""
+    free_at = [(0.0, i) for i in range(warm)]
+    waits = []
+    for t in arrivals:
+        if not free_at or min(free_at)[0] >= t:
+            free_at.append((t + cold_start_s, len(free_at)))
+        ready, replica = min(free_at)
+        free_at.remove((ready, replica))
+        start = max(t, ready)
+        waits.append(start - t)
+        free_at.append((start + service_s, replica))
+    return waits
 
 
-def cow(always=False, keep_ref=False, mutate=False, drop_all=False, as_tuple=False):
-    def write_block(alloc, table, index):
-        block = table[index]
-        if alloc.ref_cnt(block) == 1 and not always:
-            return tuple(table) if as_tuple else list(table)
-        (new,) = alloc.allocate(1)
-        if drop_all:
-            while alloc.ref_cnt(block) > 0:
-                alloc.free([block])
-        elif not keep_ref:
-            alloc.free([block])
-        out = table if mutate else list(table)
-        out[index] = new
-        return tuple(out) if as_tuple else out
+def scaler(
+    stabilize=True,
+    rounding=math.ceil,
+    cap=True,
+    at_least_one=True,
+    up_window=False,
+    mutate=False,
+    times_target=False,
+):
+    def fleet_after_sync(current, demand, seats, target_usage, recent_desired, max_replicas):
+        need = demand * target_usage / seats if times_target else demand / (seats * target_usage)
+        desired = rounding(need)
+        desired = max(1, desired) if at_least_one else desired
+        desired = min(max_replicas, desired) if cap else desired
+        if mutate:
+            recent_desired.append(desired)
+        if up_window:
+            return max([desired, *recent_desired])
+        if not stabilize or desired >= current:
+            return desired
+        return min(current, max([desired, *recent_desired]))
 
-    return write_block
+    return fleet_after_sync
 
 
 WRONG_ANSWERS = {
@@ -259,6 +316,7 @@ WRONG_ANSWERS = {
         "modulo hash": ring(rule="modulo"),
         "the point before": ring(rule="before"),
         "no wrap-around": ring(rule="no wrap"),
+        "strictly after the hash": _ring_after,
         "Python's salted hash": ring(hasher=python_hash),
         "reverses `nodes`": ring(mutate=True),
         "hard-coded": lambda nodes, key, virtual_nodes: nodes[0] if nodes else None,
@@ -274,6 +332,7 @@ WRONG_ANSWERS = {
         "TPOT without the prefills": batch(tpot_prefill=False),
         "ignores the TTFT": batch(ttft=False),
         "the first batch that meets": batch(pick="first"),
+        "the largest batch that meets": batch(pick="largest"),
         "0 when none meets": batch(none_as=0),
         "the requests/s": batch(as_rate=True),
         "hard-coded": lambda *args: 100,
@@ -281,6 +340,7 @@ WRONG_ANSWERS = {
     "replicas_for": {
         "rounded": lambda t, r, u: round(t / (r * u)),
         "floor plus one": lambda t, r, u: int(t / (r * u)) + 1,
+        "round(x + 0.5)": lambda t, r, u: round(t / (r * u) + 0.5),
         "ignores utilization": lambda t, r, u: math.ceil(t / r),
         "multiplies by utilization": lambda t, r, u: math.ceil(t * u / r),
         "a float": lambda t, r, u: float(math.ceil(t / (r * u))),
@@ -299,7 +359,16 @@ WRONG_ANSWERS = {
         "rounded to a whole": lambda n, price, rate: round(n * price / 3600 / rate * 1e6),
         "hard-coded": lambda n, price, rate: 1.0,
     },
+    "fleet_waste": {
+        "the plan's own target": _fleet_waste_at_plan_target,
+        "fleet over output-only cost": lambda plan, target: (
+            (plan.replicas * plan.price_per_gpu_hour / 3600 / (target * 1200) * 1e6)
+            / plan.cost_per_million_output_tokens_full_load
+        ),
+        "hard-coded": lambda plan, target: 1.0,
+    },
     "warm_pool_waits": {
+        "a replica free at the arrival is busy": _pool_busy_at_arrival,
         "waits from time 0": pool(from_zero=True),
         "served by the replica it launched": pool(newest=True),
         "a tuple": pool(as_tuple=True),
@@ -314,21 +383,39 @@ WRONG_ANSWERS = {
         "gives back past the burst": bucket(give_back=_give_uncapped),
         "starts empty": bucket(__init__=_starts_empty),
     },
-    "Allocator": {
-        "freed blocks to the head": allocator(free=_free_to_head),
-        "free ignores reference counts": allocator(free=_free_ignoring_refs),
-        "allocates what is there": allocator(allocate=_allocate_what_is_there),
-        "double free accepted": allocator(free=_free_twice_silently),
-        "fork takes no reference": allocator(fork=_fork_nothing),
-        "clears the caller's ids": allocator(free=_free_and_clear),
+    "seat_waits": {
+        "the seat freed last": seats(pick="last free"),
+        "seats in turn": seats(in_turn=True),
+        "waits from time 0": seats(from_zero=True),
+        "a tuple": seats(as_tuple=True),
+        "reverses `holds_s`": seats(mutate=True),
+        "hard-coded": lambda arrivals, holds, n: [0, 0, 1, 0.5],
     },
-    "write_block": {
-        "always copies": cow(always=True),
-        "keeps the shared reference": cow(keep_ref=True),
-        "drops every reference": cow(drop_all=True),
-        "changes the table in place": cow(mutate=True),
-        "a tuple": cow(as_tuple=True),
-        "hard-coded": lambda alloc, table, index: [0, 1, 3],
+    "lora_rows": {
+        "no scaling": lora(scale=False),
+        "base rows take the last adapter": lora(negative_index=True),
+        "changes base_out in place": lora(in_place=True),
+        "the first row's adapter for all": lora(first_adapter=True),
+        "scales the base output too": lora(scale_base=True),
+        "hard-coded": lambda x, base, rows, A, B, s: base,
+    },
+    "route": {
+        "either rule spills": router(rule="either"),
+        "only the absolute rule": router(rule="abs"),
+        "never spills": router(spill=False),
+        "ignores down replicas": router(allowed=False),
+        "32 ahead already spills": router(strict=False),
+        "counts the choice in `outstanding`": router(mutate=True),
+    },
+    "fleet_after_sync": {
+        "no stabilization window": scaler(stabilize=False),
+        "rounds down": scaler(rounding=math.floor),
+        "floor plus one": scaler(rounding=lambda x: int(x) + 1),
+        "ignores max_replicas": scaler(cap=False),
+        "may scale to zero": scaler(at_least_one=False),
+        "the window scales up too": scaler(up_window=True),
+        "appends to `recent_desired`": scaler(mutate=True),
+        "demand times the target": scaler(times_target=True),
     },
 }
 
@@ -336,5 +423,5 @@ WRONG_ANSWERS = {
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch10_systems.ipynb"
     EXERCISE = ROOT / "exercises" / "ch10_systems.ipynb"
-    POINTS = [2, 3, 2, 3, 2, 2, 2, 3, 3, 3, 3]
+    POINTS = [2, 3, 2, 3, 2, 2, 2, 3, 3, 3, 3, 3, 3]
     WRONG_ANSWERS = WRONG_ANSWERS

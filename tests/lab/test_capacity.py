@@ -129,3 +129,39 @@ def test_bad_input_is_named():
             slo=Slo(tpot_s=1e-4, ttft_s=1.0),
             price_per_gpu_hour=2.0,
         )
+
+
+def test_the_plan_counts_the_wait_for_a_seat():
+    # the plan at mean rates runs each replica near its limit; by Erlang C (the textbook
+    # sum in exact arithmetic, not the module's recursion) its p99 wait for a seat is far
+    # past the TTFT target, and a plan for the p99 TTFT adds replicas until it is not
+    from fractions import Fraction
+
+    def p99_wait(seats: int, rate: float, hold: float) -> float:
+        a = Fraction(rate * hold)
+        top = a**seats / math.factorial(seats) * seats / (seats - a)
+        p_wait = float(top / (sum(a**k / math.factorial(k) for k in range(seats)) + top))
+        return max(0.0, hold * math.log(p_wait / 0.01) / (seats - float(a)))
+
+    kwargs = dict(
+        target_requests_per_s=50.0,
+        input_len=1000,
+        output_len=200,
+        price_per_gpu_hour=2.5,
+        efficiency=0.7,
+    )
+    mean_plan = plan_capacity("Llama 3.1 8B", "H100 SXM", slo=Slo(0.05, 0.5), **kwargs)
+    p99_plan = plan_capacity("Llama 3.1 8B", "H100 SXM", slo=Slo(0.05, 0.5, 0.99), **kwargs)
+    point = mean_plan.point
+    hold = point.batch_size / point.requests_per_s  # a seat is held one cycle
+    assert mean_plan.utilization == pytest.approx(50 / (mean_plan.replicas * point.requests_per_s))
+    wait = p99_wait(point.batch_size, 50 / mean_plan.replicas, hold)
+    assert mean_plan.seat_wait_p99_s == pytest.approx(wait, rel=1e-6)
+    assert point.ttft_s + wait > 0.5  # the mean plan misses the p99 TTFT target
+    assert p99_plan.point == point
+    r = p99_plan.replicas
+    assert r > mean_plan.replicas
+    assert point.ttft_s + p99_wait(point.batch_size, 50 / r, hold) <= 0.5
+    assert point.ttft_s + p99_wait(point.batch_size, 50 / (r - 1), hold) > 0.5
+    with pytest.raises(ValueError, match="ttft_percentile"):
+        Slo(0.05, 0.5, 99)

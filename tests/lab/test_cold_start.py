@@ -48,38 +48,47 @@ def test_phases_from_stamps_by_hand():
     assert r.warm_request == pytest.approx(0.05)
 
 
-def replay(arrivals, services, warm, cold, max_replicas):
-    """Brute force: every tick, free replicas take the queue's head first, then arrivals in
-    order; an arrival that finds the queue non-empty or no replica free launches one."""
+def replay(arrivals, services, warm, cold, max_replicas, slots=1):
+    """Brute force: every tick, free slots take the queue's head first, then arrivals in
+    order; an arrival that finds the queue non-empty or no slot free launches a replica.
+    Returns the waits, the replicas launched and the replica-seconds paid for."""
+    started = [0] * warm  # when each replica was launched
     ready = [0] * warm  # when each replica is up
-    busy = [0] * warm  # when it finishes its request
+    busy = [[0] * slots for _ in range(warm)]  # when each of its slots finishes
     queue: deque[int] = deque()
     waits = [None] * len(arrivals)
     horizon = (max(arrivals) if arrivals else 0) + sum(services) + cold + 1
 
     def free(t):
-        return [r for r in range(len(ready)) if ready[r] <= t and busy[r] <= t]
+        return [(r, k) for r in range(len(ready)) for k in range(slots)
+                if ready[r] <= t and busy[r][k] <= t]  # fmt: skip
+
+    def take(t, i):
+        r, k = free(t)[0]
+        waits[i] = t - arrivals[i]
+        busy[r][k] = t + services[i]
 
     def serve(t):
         while queue and free(t):
-            i, r = queue.popleft(), free(t)[0]
-            waits[i] = t - arrivals[i]
-            busy[r] = t + services[i]
+            take(t, queue.popleft())
 
     j = 0
     for t in range(horizon + 1):
         serve(t)
         while j < len(arrivals) and arrivals[j] == t:
             if not queue and free(t):
-                waits[j], busy[free(t)[0]] = 0, t + services[j]
+                take(t, j)
             else:
                 if max_replicas is None or len(ready) < max_replicas:
+                    started.append(t)
                     ready.append(t + cold)
-                    busy.append(0)
+                    busy.append([0] * slots)
                 queue.append(j)
                 serve(t)
             j += 1
-    return waits, len(ready) - warm
+    end = max((w + a + s for w, a, s in zip(waits, arrivals, services, strict=True)), default=0)
+    paid = sum(end - s for s in started) if arrivals else 0
+    return waits, len(ready) - warm, paid
 
 
 @given(
@@ -89,16 +98,43 @@ def replay(arrivals, services, warm, cold, max_replicas):
     warm=st.integers(0, 4),
     cold=st.integers(0, 15),
     cap=st.one_of(st.none(), st.integers(0, 3)),
+    slots=st.integers(1, 3),
 )
-def test_warm_pool_waits_equal_a_tick_by_tick_replay(arrivals, service, jitter, warm, cold, cap):
+def test_warm_pool_waits_equal_a_tick_by_tick_replay(
+    arrivals, service, jitter, warm, cold, cap, slots
+):
     services = [service + jitter[i] for i in range(len(arrivals))]
     max_replicas = None if cap is None else max(1, warm) + cap
     run = simulate_warm_pool(
-        arrivals, services, warm_replicas=warm, cold_start_s=cold, max_replicas=max_replicas
+        arrivals,
+        services,
+        warm_replicas=warm,
+        cold_start_s=cold,
+        max_replicas=max_replicas,
+        slots_per_replica=slots,
     )
-    waits, launched = replay(arrivals, services, warm, cold, max_replicas)
+    waits, launched, paid = replay(arrivals, services, warm, cold, max_replicas, slots)
     assert list(run.waits_s) == waits
     assert run.launched == launched
+    assert run.replica_s == pytest.approx(paid)
+
+
+def test_a_cap_bounds_the_fleet_a_burst_launches():
+    # ten requests at once, 10 s each, 60 s cold start: without a cap each launches a
+    # replica (10 replicas x 70 s paid); with a cap of 2 the waits queue behind 2 replicas,
+    # and 2 slots a replica halve the fleet again
+    arrivals = [0.0] * 10
+    free_for_all = simulate_warm_pool(arrivals, 10.0, warm_replicas=0, cold_start_s=60.0)
+    assert free_for_all.launched == 10 and free_for_all.replica_s == 10 * 70.0
+    capped = simulate_warm_pool(arrivals, 10.0, warm_replicas=0, cold_start_s=60, max_replicas=2)
+    assert capped.waits_s == (60, 60, 70, 70, 80, 80, 90, 90, 100, 100)
+    assert capped.launched == 2 and capped.replica_s == 2 * 110.0
+    wide = simulate_warm_pool(
+        arrivals, 10.0, warm_replicas=0, cold_start_s=60, max_replicas=2, slots_per_replica=5
+    )
+    assert wide.waits_s == (60,) * 10 and wide.replica_s == 2 * 70.0
+    with pytest.raises(ValueError, match="slots_per_replica"):
+        simulate_warm_pool(arrivals, 1.0, warm_replicas=0, cold_start_s=1, slots_per_replica=0)
 
 
 def test_a_big_enough_pool_never_waits_and_an_empty_one_waits_a_cold_start():

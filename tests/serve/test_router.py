@@ -289,3 +289,31 @@ def test_a_replica_s_429_comes_through_with_its_headers(llm):
     assert second.headers["Retry-After"] == str(cost)  # one token a second, all of it spent
     assert second.headers["x-ratelimit-remaining-tokens"] == "0"
     assert second.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_a_short_system_prompt_still_keys_a_tenant():
+    # a 120-character system prompt is shorter than the 256-character key: the key must
+    # not take in the user's text, or each tenant's requests scatter over the replicas
+    ring = HashRing([f"http://127.0.0.1:800{i}" for i in range(1, 4)])
+    for tenant in "ABCDEFGH":
+        system = (f"Tenant {tenant} system prompt. " * 10)[:120]
+        owners = {
+            ring.lookup(
+                prefix_key(
+                    {
+                        "messages": [
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": f"User question number {q}: ..."},
+                        ]
+                    }
+                )
+            )
+            for q in range(10)
+        }
+        assert len(owners) == 1
+    # without a system message the key is the conversation's first characters, as before
+    talk = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    assert prefix_key({"messages": talk}) == "user:hello\nassistant:hi\n"
+    assert prefix_key({"messages": [{"role": "developer", "content": "be terse"}, *talk]}) == (
+        "developer:be terse\n"
+    )
