@@ -282,6 +282,15 @@ def variant_exercise(text: str, seed: str) -> str:
     return nbformat.writes(nb, version=4) + "\n"
 
 
+_VARIANT_CALL = re.compile(r"\bvariant\(")
+
+
+def variant_checks(nb: nbformat.NotebookNode) -> tuple[int, int]:
+    """(checks that draw class values through `variant`, all checks) of a notebook."""
+    checks = [c.source for c in nb.cells if c.cell_type == "code" and GRADED_RE.match(c.source)]
+    return sum(bool(_VARIANT_CALL.search(source)) for source in checks), len(checks)
+
+
 def _tracked_by_git(out: pathlib.Path, solutions_dir: pathlib.Path) -> pathlib.Path | None:
     """The git repository holding `solutions_dir`, when files written to `out` would be
     tracked in it (inside it and not ignored); else None."""
@@ -306,7 +315,8 @@ def _tracked_by_git(out: pathlib.Path, solutions_dir: pathlib.Path) -> pathlib.P
 def release_variant(
     solutions_dir: pathlib.Path, out: pathlib.Path, repo_url: str, seed: str
 ) -> list[str]:
-    """Write the class `seed`'s private exercises into `out`; one line per file written.
+    """Write the class `seed`'s private exercises into `out`; one line per file written,
+    saying how many of its checks draw class values (the others are the public checks).
 
     Refuses a folder inside the solutions' git repository that git does not ignore: the
     private copy must never be committed beside the public edition.
@@ -322,8 +332,13 @@ def release_variant(
     written = []
     for name, text in {**planned, CONFTEST_NAME: CONFTEST}.items():
         path = out / name
-        path.write_text(variant_exercise(text, seed) if name in planned else text, encoding="utf-8")
-        written.append(f"wrote {path}")
+        if name not in planned:
+            path.write_text(text, encoding="utf-8")
+            written.append(f"wrote {path}")
+            continue
+        path.write_text(variant_exercise(text, seed), encoding="utf-8")
+        varied, checks = variant_checks(nbformat.reads(text, as_version=4))
+        written.append(f"wrote {path}: {varied} of {checks} checks draw this class's values")
     return written
 
 

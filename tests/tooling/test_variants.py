@@ -17,7 +17,7 @@ import pytest
 from minillm.cli.main import main
 from minillm.course import variants
 from minillm.course.exercise_model import parse_exercises
-from minillm.course.exercises import release, release_variant, variant_exercise
+from minillm.course.exercises import release, release_variant, variant_checks, variant_exercise
 from minillm.course.grading import grade_notebooks
 
 from .conftest import REPO_URL, code, filled, md, notebook, write_notebook
@@ -102,6 +102,12 @@ def test_the_variant_seeds_each_check_and_keeps_statement_and_starter(tmp_path):
         variant_exercise(public, "")
 
 
+def test_variant_checks_counts_the_checks_that_call_variant():
+    fixed = code("# GRADED: 1 point\nassert kv_bytes(2) == 256", "other-check")
+    nb = notebook([*CELLS, fixed, code("x = variant('a', 1, draw)")])  # not a check
+    assert variant_checks(nb) == (1, 2)
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     """The right answer and the copied value, graded by the public and the private checks."""
@@ -149,6 +155,7 @@ def test_cli_writes_the_variant_only_where_git_would_not_commit_it(tmp_path, cap
 
     for out in (repo / "private" / "fall", tmp_path / "elsewhere"):
         assert main(["exercises", "release", "--seed", "s", "--out", str(out), *folders]) == 0
+        assert "ex.ipynb: 1 of 1 checks draw this class's values" in capsys.readouterr().out
         assert "CLASS_SEED = 's'" in (out / "ex.ipynb").read_text()
         assert (out / "conftest.py").exists()
     assert not (repo / "exercises").exists()  # the public release is left alone
