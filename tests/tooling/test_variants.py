@@ -8,6 +8,7 @@ class seed and that answer fails.
 
 from __future__ import annotations
 
+import csv
 import pathlib
 import subprocess
 
@@ -18,7 +19,6 @@ from minillm.cli.main import main
 from minillm.course import variants
 from minillm.course.exercise_model import parse_exercises
 from minillm.course.exercises import release, release_variant, variant_checks, variant_exercise
-from minillm.course.grading import grade_notebooks
 
 from .conftest import REPO_URL, code, filled, md, notebook, write_notebook
 
@@ -110,27 +110,29 @@ def test_variant_checks_counts_the_checks_that_call_variant():
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    """The right answer and the copied value, graded by the public and the private checks."""
+    """A class folder graded by the command line against the public exercises and against
+    a class's variant: {reference: {student: points}} from each run's CSV table."""
     root = tmp_path_factory.mktemp("variant")
     write_notebook(root / "solutions" / "ex.ipynb", notebook(CELLS))
     release(root / "solutions", root / "exercises", REPO_URL)
     release_variant(root / "solutions", root / "private", REPO_URL, "fall-27")
     released = root / "exercises" / "ex.ipynb"
-    paths = [
-        write_notebook(root / "right" / "ex.ipynb", filled(released, RIGHT)),
-        write_notebook(root / "copied" / "ex.ipynb", filled(released, COPIED)),
-    ]
+    write_notebook(root / "class" / "alice.ipynb", filled(released, RIGHT))
+    write_notebook(root / "class" / "bob.ipynb", filled(released, COPIED))
+    write_notebook(root / "class" / "carol.ipynb", filled(released, {}))
     result = {}
     for reference in ("exercises", "private"):
-        grades, problems = grade_notebooks(paths, root / reference, timeout_s=30, jobs=2)
-        assert problems == []
-        result[reference] = {p.parent.name: g.points for p, g in zip(paths, grades, strict=True)}
+        report = root / f"{reference}.csv"
+        argv = ["grade", str(root / "class"), "--reference", str(root / reference), "-j", "2"]
+        assert main([*argv, "--report", str(report)]) == 0
+        with report.open(newline="") as f:
+            result[reference] = {r["student"]: r["points"] for r in csv.DictReader(f)}
     return result
 
 
 def test_the_public_value_passes_the_public_check_and_fails_the_variant(graded):
-    assert graded["exercises"] == {"right": 2, "copied": 2}
-    assert graded["private"] == {"right": 2, "copied": 0}
+    assert graded["exercises"] == {"alice": "2", "bob": "2", "carol": "0"}
+    assert graded["private"] == {"alice": "2", "bob": "0", "carol": "0"}
 
 
 def _git(root: pathlib.Path, *args: str) -> None:
