@@ -520,16 +520,15 @@ def _release(args: argparse.Namespace) -> int:
         repo_url = repository_url(config)
         if (args.seed is None) != (args.out is None):
             return _fail("--seed and --out go together: a class's variant needs both")
-        if args.seed is not None:
-            changes = release_variant(solutions, args.out, repo_url, args.seed)
-            print("\n".join(changes))
-            return 0
         if args.fix_bootstrap:
             for path in fix_bootstrap(solutions, repo_url):
                 print(f"updated the bootstrap cell of {path}")
         if args.fix_ids:
             for path in fix_ids(solutions):
                 print(f"gave the exercise cells of {path} their ids")
+        if args.seed is not None:
+            print("\n".join(release_variant(solutions, args.out, repo_url, args.seed)))
+            return 0
         changes = release(solutions, exercises, repo_url)
     except ReleaseError as exc:
         return _fail(f"no exercise written:\n{exc}")
