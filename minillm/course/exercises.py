@@ -50,6 +50,14 @@ carries the cell tag `timing`, so that parallel grading runs it alone; one whose
 talk over TCP (torch.distributed on loopback) carries `network`, which the grader's
 confinement then allows.
 `minillm exercises execute` runs the solution notebooks and stores their outputs.
+
+A class's private variant: `release --seed S --out DIR` writes the exercises into DIR,
+outside the repository (or in a folder git ignores), with the line
+`CLASS_SEED = 'S'` at the top of every check (see `minillm.course.variants`). Checks
+that draw their worked examples through `variant` then use this class's inputs and
+expected values; grade with `minillm grade submissions/ --reference DIR`. The statements
+and starting code are the public ones, so a submission made from the public edition is
+graded as current.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ import argparse
 import copy
 import pathlib
 import re
+import subprocess
 import sys
 
 import nbformat
@@ -257,6 +266,82 @@ def release(solutions_dir: pathlib.Path, exercises_dir: pathlib.Path, repo_url: 
     return changes
 
 
+VARIANT_LINE = "CLASS_SEED = {seed!r}  # this class's values: see minillm.course.variants\n"
+
+
+def variant_exercise(text: str, seed: str) -> str:
+    """A released exercise (notebook JSON text) whose checks draw from the class `seed`."""
+    if not seed.strip():
+        raise ValueError("a class seed must not be empty")
+    nb = nbformat.reads(text, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code" and GRADED_RE.match(cell.source):
+            # the points marker stays the first line: grading reads it there
+            marker, _, rest = cell.source.partition("\n")
+            cell.source = f"{marker}\n{VARIANT_LINE.format(seed=seed)}{rest}"
+    return nbformat.writes(nb, version=4) + "\n"
+
+
+_VARIANT_CALL = re.compile(r"\bvariant\(")
+
+
+def variant_checks(nb: nbformat.NotebookNode) -> tuple[int, int]:
+    """(checks that draw class values through `variant`, all checks) of a notebook."""
+    checks = [c.source for c in nb.cells if c.cell_type == "code" and GRADED_RE.match(c.source)]
+    return sum(bool(_VARIANT_CALL.search(source)) for source in checks), len(checks)
+
+
+def _tracked_by_git(out: pathlib.Path, solutions_dir: pathlib.Path) -> pathlib.Path | None:
+    """The git repository holding `solutions_dir`, when files written to `out` would be
+    tracked in it (inside it and not ignored); else None."""
+    top = subprocess.run(
+        ["git", "-C", str(solutions_dir), "rev-parse", "--show-toplevel"],
+        capture_output=True,
+        text=True,
+    )
+    if top.returncode != 0:
+        return None  # not in a git repository: nothing would be committed
+    root = pathlib.Path(top.stdout.strip()).resolve()
+    out = out.resolve()
+    if out != root and root not in out.parents:
+        return None
+    ignored = subprocess.run(
+        ["git", "-C", str(root), "check-ignore", "-q", str(out / "probe.ipynb")],
+        capture_output=True,
+    )
+    return None if ignored.returncode == 0 else root
+
+
+def release_variant(
+    solutions_dir: pathlib.Path, out: pathlib.Path, repo_url: str, seed: str
+) -> list[str]:
+    """Write the class `seed`'s private exercises into `out`; one line per file written,
+    saying how many of its checks draw class values (the others are the public checks).
+
+    Refuses a folder inside the solutions' git repository that git does not ignore: the
+    private copy must never be committed beside the public edition.
+    """
+    root = _tracked_by_git(out, solutions_dir)
+    if root is not None:
+        raise ValueError(
+            f"{out} is inside the repository {root} and not ignored by git: write a class's "
+            "private exercises outside it, or into a folder listed in .gitignore"
+        )
+    planned = plan_release(solutions_dir, repo_url)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in {**planned, CONFTEST_NAME: CONFTEST}.items():
+        path = out / name
+        if name not in planned:
+            path.write_text(text, encoding="utf-8")
+            written.append(f"wrote {path}")
+            continue
+        path.write_text(variant_exercise(text, seed), encoding="utf-8")
+        varied, checks = variant_checks(nbformat.reads(text, as_version=4))
+        written.append(f"wrote {path}: {varied} of {checks} checks draw this class's values")
+    return written
+
+
 def stale_exercises(
     solutions_dir: pathlib.Path, exercises_dir: pathlib.Path, repo_url: str
 ) -> list[str]:
@@ -373,6 +458,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="first rewrite each solution so that its first cell is the current bootstrap",
     )
+    release_parser.add_argument(
+        "--seed",
+        metavar="S",
+        help="write a class's private variant, drawn from the secret S, into --out "
+        "(exercises/ is left alone)",
+    )
+    release_parser.add_argument(
+        "--out", type=pathlib.Path, metavar="DIR", help="with --seed: where the variant goes"
+    )
     check_parser = actions.add_parser(
         "check", help="exit 1, naming the files, when exercises/ is out of date"
     )
@@ -391,6 +485,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         sub.add_argument("--config", type=pathlib.Path, help="default: <repo>/_config.yml")
         sub.set_defaults(func=func)
     execute_parser.set_defaults(func=_execute)
+    edition_parser = actions.add_parser(
+        "student-edition",
+        help="write the repository without solutions/ into OUT, for a class to clone",
+        description=(
+            "Copies the files git tracks into OUT, leaving out solutions/ and the tests "
+            "that read it, then scans OUT for the code of every solution region; exits 1 "
+            "when an answer shows up outside the engine."
+        ),
+    )
+    edition_parser.add_argument("out", type=pathlib.Path, metavar="OUT")
+    edition_parser.set_defaults(func=_student_edition)
 
 
 def _folders(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path, pathlib.Path]:
@@ -413,12 +518,17 @@ def _release(args: argparse.Namespace) -> int:
     try:
         solutions, exercises, config = _folders(args)
         repo_url = repository_url(config)
+        if (args.seed is None) != (args.out is None):
+            return _fail("--seed and --out go together: a class's variant needs both")
         if args.fix_bootstrap:
             for path in fix_bootstrap(solutions, repo_url):
                 print(f"updated the bootstrap cell of {path}")
         if args.fix_ids:
             for path in fix_ids(solutions):
                 print(f"gave the exercise cells of {path} their ids")
+        if args.seed is not None:
+            print("\n".join(release_variant(solutions, args.out, repo_url, args.seed)))
+            return 0
         changes = release(solutions, exercises, repo_url)
     except ReleaseError as exc:
         return _fail(f"no exercise written:\n{exc}")
@@ -454,3 +564,22 @@ def _execute(args: argparse.Namespace) -> int:
     for line in failures:
         print(f"failed: {line}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _student_edition(args: argparse.Namespace) -> int:
+    from minillm.course.student_edition import write_student_edition
+
+    try:
+        edition = write_student_edition(find_root(pathlib.Path.cwd()), args.out)
+    except (FileNotFoundError, ValueError, NotebookReadError) as exc:
+        return _fail(str(exc))
+    for line in edition.left_out:
+        print(f"left out {line}")
+    for line in edition.in_engine:
+        print(f"in the engine the checks compare against: {line}")
+    for line in edition.leaks:
+        print(f"answer found: {line}", file=sys.stderr)
+    if edition.leaks:
+        return _fail(f"{args.out} shows answers: do not publish it")
+    print(f"wrote the student edition to {args.out}: start its history with `git init`")
+    return 0

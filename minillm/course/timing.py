@@ -3,9 +3,11 @@
 The instructor's guide (`book/instructors.md`) reads its table from here:
 
 - reading time from the chapter source's word count (prose only: no front matter, no
-  code cells) at `WORDS_PER_MINUTE`;
-- exercise time from a measured run of the chapter's solution notebook, recorded in
-  `book/data/solution_times.json` with the machine and date it ran on;
+  code cells) at `WORDS_PER_MINUTE`: a lower bound, since it leaves out running the code;
+- the authors' estimates of reading-and-running and exercise time, from the chapter's
+  "**Time.**" line;
+- the checks' machine time from a measured run of the chapter's solution notebook,
+  recorded in `book/data/solution_times.json` with the machine and date it ran on;
 - points from the solution's `# GRADED: N points` markers;
 - learning goals and prerequisites from the chapter's opening paragraphs.
 
@@ -58,6 +60,25 @@ def chapter_word_count(pages: str | list[str]) -> int:
     """Words of prose of one page, or of a chapter split into pages (each with its own
     front matter)."""
     return word_count(pages) if isinstance(pages, str) else sum(map(word_count, pages))
+
+
+_AUTHORS_TIME = re.compile(
+    r"\*\*Time\.\*\*\s+About\s+(\d+)\s+(minutes?|hours?)\s+to\s+read\s+and\s+run,?\s+"
+    r"and\s+(\d+)\s+(minutes?|hours?)\s+for\s+the\s+exercises"
+)
+
+
+def authors_minutes(md_text: str) -> tuple[int, int] | None:
+    """The chapter's own "**Time.**" estimate: (minutes to read and run, minutes for the
+    exercises), or None when it states none."""
+    match = _AUTHORS_TIME.search(md_text)
+    if match is None:
+        return None
+    read, read_unit, exercises, exercises_unit = match.groups()
+    return (
+        int(read) * (60 if read_unit.startswith("hour") else 1),
+        int(exercises) * (60 if exercises_unit.startswith("hour") else 1),
+    )
 
 
 def _paragraph_after(md_text: str, label: str) -> str:

@@ -116,3 +116,39 @@ def test_record_times_runs_each_solution_and_notes_failed_cells(tmp_path):
     # timing one keeps the others' entries
     again = timing.record_times(tmp_path, ["ch01_good"])
     assert again["notebooks"]["ch02_bad"] == data["notebooks"]["ch02_bad"]
+
+
+@pytest.mark.parametrize(
+    ("line", "minutes"),
+    [
+        ("**Time.** About 60 minutes to read and run, and 90 minutes for the exercises", (60, 90)),
+        ("**Time.** About 110 minutes to read and run, and 2 hours for the exercises", (110, 120)),
+        ("**Time.** About 1 hour to read and run,\nand 1 hour for the exercises", (60, 60)),
+        ("**Time.** An afternoon.", None),
+        ("no time line", None),
+    ],
+)
+def test_authors_minutes_reads_the_chapter_s_time_line(line, minutes):
+    assert timing.authors_minutes(f"# Title\n\n{line}\n({{glue:text}}`x` points).\n") == minutes
+
+
+def test_every_chapter_states_its_time_and_the_guide_can_read_it():
+    import yaml
+
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    firsts = [
+        chapter["file"]
+        for part in toc["parts"]
+        for chapter in part["chapters"]
+        if re.fullmatch(r"book/(0[1-9]|10)_\w+", chapter["file"])
+    ]
+    assert len(firsts) == 10
+    for page in firsts:
+        minutes = timing.authors_minutes((ROOT / f"{page}.md").read_text())
+        assert minutes is not None and min(minutes) >= 30, page
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "solutions").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_the_guide_counts_the_same_points_in_the_exercises_as_in_the_solutions(path):
+    # the guide reads exercises/, which a student edition keeps
+    assert timing.solution_points(ROOT / "exercises" / path.name) == timing.solution_points(path)
