@@ -176,7 +176,11 @@ def stream_completion(
 
 
 def traced_request(
-    client: httpx.Client, url: str, model: str, recorder: StageRecorder, prompt: str,
+    client: httpx.Client,
+    url: str,
+    model: str,
+    recorder: StageRecorder,
+    prompt: str,
     max_tokens: int,
 ) -> RequestTrace:
     """One streamed request, its engine record and the steps it ran in."""
