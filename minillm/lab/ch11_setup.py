@@ -243,7 +243,7 @@ def draw_waterfall(trace: RequestTrace):
     colors = mpl.rcParams["axes.prop_cycle"].by_key()["color"]
     rows = list(stages) + ["engine steps"]
     start = 0.0
-    for y, (name, length) in enumerate(stages.items()):
+    for y, length in enumerate(stages.values()):
         ax.broken_barh([(start * 1e3, max(length, 0.0) * 1e3)], (y - 0.35, 0.7), color="0.55")
         start += length
     y = len(stages)
