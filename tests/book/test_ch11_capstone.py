@@ -181,8 +181,6 @@ def admission(kind):
             fits = n <= token_budget if kind != "strict budget" else n < token_budget
             seat = free_seats >= 1 or kind == "no seats"
             if not (fits and seat and blocks <= free_blocks):
-                if kind == "skips what does not fit":
-                    continue
                 break
             out.append(rid)
             token_budget, free_seats, free_blocks = (
@@ -267,7 +265,6 @@ WRONG_ANSWERS = {
         "blocks rounded down": admission("floor blocks"),
         "a prompt equal to the budget refused": admission("strict budget"),
         "no seat limit": admission("no seats"),
-        "skips what does not fit": admission("skips what does not fit"),
         "hard-coded": lambda *args: ["b", "d"],
     },
     "stage_times": {
