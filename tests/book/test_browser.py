@@ -128,7 +128,7 @@ def test_no_page_scrolls_sideways_on_a_phone(phone):
 @pytest.mark.browser
 def test_chapters_show_ideas_not_plumbing(desktop):
     shares = {page: round(r["code_share"], 3) for page, r in desktop.items() if is_chapter(page)}
-    assert {int(page[5:7]) for page in shares} == set(range(1, 11)), "each page of ten chapters"
+    assert {int(page[5:7]) for page in shares} == set(range(1, 12)), "each page of eleven chapters"
     assert {page: s for page, s in shares.items() if s >= MAX_CODE_SHARE} == {}
 
 
@@ -228,7 +228,7 @@ def test_each_chapter_opens_with_a_picture_before_its_code(desktop):
     for page in desktop:  # in the order of the table of contents
         if is_chapter(page):
             first_pages.setdefault(chapter_number(page), page)
-    assert sorted(first_pages) == list(range(1, 11))
+    assert sorted(first_pages) == list(range(1, 12))
     late = {}
     for page in first_pages.values():
         figure_y, code_y = desktop[page]["first_figure_y"], desktop[page]["first_code_y"]
