@@ -165,6 +165,17 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
     return Table(header, rows)
 
 
+def plain_log_ticks(axis) -> None:
+    """Label a log-scale matplotlib axis (`ax.yaxis`, `ax.xaxis`) with plain numbers at 1, 2
+    and 5 times each power of ten and leave the minor ticks unlabelled: a range of less than
+    a decade still shows values, and none is printed as "6×10⁰"."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def code(text: str) -> RawHTML:
     """A table cell shown as code, e.g. a flag name or a string with its quotes."""
     return RawHTML(f"<code>{_breakable(text)}</code>")
@@ -177,6 +188,7 @@ __all__ = [
     "RawHTML",
     "Table",
     "code",
+    "plain_log_ticks",
     "table",
     "use_house_style",
 ]

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from minillm.lab.figures import code, table
+from minillm.lab.figures import code, plain_log_ticks, table
 
 
 def text_of(cell_html: str) -> str:
@@ -33,3 +33,27 @@ def test_cells_stay_escaped_and_numbers_align_right():
 def test_a_row_of_the_wrong_length_is_refused():
     with pytest.raises(ValueError, match="a row of 1 cells under a header of 2"):
         table(["a", "b"], [[1]])
+
+
+def visible_labels(ax):
+    ax.figure.canvas.draw()
+    low, high = ax.get_ylim()
+    return [t.get_text() for t in ax.get_yticklabels() if low <= t.get_position()[1] <= high]
+
+
+def test_a_log_axis_under_a_decade_is_labelled_in_plain_numbers():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [30, 80])
+    ax.set_yscale("log")
+    ax.set_ylim(30, 80)
+    plain_log_ticks(ax.yaxis)
+    labels = visible_labels(ax)  # within a decade: plain round values, never "3×10¹"
+    assert len(labels) >= 2 and all(re.fullmatch(r"\d+", label) for label in labels), labels
+    ax.set_ylim(0.5, 300)
+    assert visible_labels(ax) == ["0.5", "1", "2", "5", "10", "20", "50", "100", "200"]
+    plt.close(fig)
