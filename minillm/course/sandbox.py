@@ -570,6 +570,9 @@ def confine(abi: int, writable: str, readable: list[str], network: bool = False)
         for device in DEVICES:
             allow(device, FS_READ_FILE | FS_WRITE_FILE)
         allow(writable, handled_fs)
+        if network:
+            # multiprocessing's queues and locks are POSIX semaphores, files in /dev/shm
+            allow("/dev/shm", handled_fs)
         if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
         if libc.syscall(

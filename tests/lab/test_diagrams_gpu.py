@@ -134,3 +134,21 @@ def test_cuda_graph_timeline_eager_waits_on_launches_graph_runs_back_to_back():
         "eager: 4 launches, step done at 22 µs, GPU busy 8 of them",
         "graph: 1 launch, step done at 16 µs, GPU busy 8 of them",
     ]
+
+
+def test_cascade_draws_the_prefix_once_per_request_without_and_once_with():
+    from minillm.lab.diagrams.gpu import draw_cascade
+
+    suffixes = [3, 40, 1]
+    c = draw_cascade(suffixes, 512)
+    # boxes: left panel a prefix and a suffix per request; right panel a suffix per request
+    # and one shared prefix
+    assert len(c.boxes) == 2 * len(suffixes) + len(suffixes) + 1
+    assert c.labels() == ["shared prefix:\none pass, all queries"]
+    widths = [b[2] for b in c.boxes]
+    # to scale in tokens (a suffix too short to see is drawn 0.2 units wide)
+    unit = widths[0] / 512
+    assert widths[3] == pytest.approx(40 * unit) and widths[-1] == pytest.approx(512 * unit)
+    assert widths[1] == widths[5] == 0.2
+    with pytest.raises(ValueError, match="suffix"):
+        draw_cascade([], 512)

@@ -446,3 +446,47 @@ __all__ = [
     "split_ranges",
     "tile_states",
 ]
+
+
+def draw_cascade(suffix_lens: Sequence[int], prefix_len: int) -> Canvas:
+    """Decode attention for requests that share a prefix, without and with cascade attention.
+
+    Left, each request's program walks its whole context, so the shared prefix's keys and
+    values are read once per request; right, one pass attends every query to the prefix
+    (read once) and one pass per request attends to its own suffix, and the split-KV merge
+    combines the two. Bar widths are to scale in tokens."""
+    if not suffix_lens or prefix_len < 1 or min(suffix_lens) < 1:
+        raise ValueError("need a prefix and at least one request with a suffix of >= 1 token")
+    n = len(suffix_lens)
+    row = 1.1
+    height = 2.6 + n * row
+    c = Canvas(22, height)
+    unit = 6.4 / (prefix_len + max(suffix_lens))  # units per token, the same in both panels
+    prefix_w = prefix_len * unit
+    top = height - 1.6
+    for x0, title in (
+        (0.2, f"without cascade: the prefix is read {n} times"),
+        (11.4, "with cascade: the prefix is read once"),
+    ):
+        c.text(x0 + 5.1, height - 0.6, title, size=11)
+        for i, suffix in enumerate(suffix_lens):
+            y = top - (i + 1) * row
+            c.text(x0 + 0.5, y + row * 0.4, f"q{i}", size=10)
+            if x0 < 1:  # without cascade: every row carries its own copy of the prefix read
+                c.box(x0 + 1.1, y, prefix_w, row * 0.8, kind="compute", fill=0.35)
+            c.box(x0 + 1.25 + prefix_w, y, max(suffix * unit, 0.2), row * 0.8, kind="request")
+        if x0 > 1:  # with cascade: one tile of the prefix for every query, then a merge
+            c.box(
+                x0 + 1.1,
+                top - n * row,
+                prefix_w,
+                n * row - row * 0.2,
+                "shared prefix:\none pass, all queries",
+                kind="compute",
+                fill=0.35,
+                fontsize=10,
+            )
+            c.text(x0 + 8.6, top - n * row / 2, "merge\n(o, lse)\nper\nrequest", size=10)
+        c.text(x0 + 1.1 + prefix_w / 2, 0.55, f"{prefix_len:,} prefix tokens", size=10)
+        c.text(x0 + 1.3 + prefix_w + 1.2, 0.55, "own suffix", size=10, color=PALETTE["request"])
+    return c
