@@ -68,7 +68,8 @@ function visit(url) {
       const doc = frame.contentDocument;
       const article = doc.querySelector("article.bd-article")
         || doc.querySelector("main") || doc.body;
-      const h1 = doc.querySelector("article h1, main h1, h1");
+      // the article's own title (the print-only copy above it carries no section number)
+      const h1 = article.querySelector("h1") || doc.querySelector("main h1, h1");
       const images = [...article.querySelectorAll("img")];
       const broken = images.filter((img) => !imageLoaded(img)).map((img) => img.src);
       // explorers: moving a slider must show another precomputed image, without a kernel
