@@ -8,17 +8,24 @@ Weight-only quantization stores W as small integers q and float scales s, and ke
   (int8). y[m, n] = s_n * sum_k x[m, k] q[n, k]: the scale factors out of the sum, so it is
   applied once, after the K loop.
 - W4A16, group-wise (group_size = 128 by default, as in GPTQ and AWQ): every run of
-  group_size weights along K in a row has its own scale s_{n,g} = max |W| / 7 and
-  q = round(W / s) in [-8, 7]; two 4-bit values share a byte (`pack_int4`). y[m, n] =
-  sum_g s_{n,g} sum_{k in g} x[m, k] q[n, k]: each K tile is one group, so its partial dot
-  is scaled as it is added.
+  group_size weights along K in a row has its own scale s_{n,g} and a 4-bit code u in
+  [0, 15] per weight; two codes share a byte (`pack_int4`). W = s (u - z) with a zero point
+  z per group: z = 8 for the symmetric grid `quantize_w4` makes (s = max |W| / 7, u - 8 =
+  round(W / s) in [-8, 7]), any z in [0, 15] from an asymmetric one (AWQ, GPTQ), stored
+  [K / group_size, N] uint8. y[m, n] = sum_g s_{n,g} sum_{k in g} x[m, k] (u[n, k] - z_{n,g}):
+  each K tile is one group, so its partial dot is scaled as it is added, and the zero point
+  costs nothing beyond its load: it is subtracted while the codes are dequantized.
 
-Symmetric quantization (zero maps to zero, no zero point). The rounding error is at most
-s / 2 per weight. Dequantization happens inside the GEMM: integer weights are loaded and
-converted to x's dtype in registers (exact: |q| <= 127 fits float16 and bfloat16), so the
-weight bytes that cross the memory bus are the quantized ones, 1 or 1/2 byte per weight.
-At batch 1 a matmul reads every weight once and does 2 FLOPs per weight: it is bound by
-memory bandwidth, and moving 4x fewer bytes than bfloat16 is the whole point of W4A16.
+Dequantization happens inside the GEMM, so the weight bytes that cross the memory bus are
+the quantized ones, 1 or 1/2 byte per weight. int8 codes are converted to x's dtype (exact:
+|q| <= 127). 4-bit codes go by the magic-number trick (as in FasterTransformer and Marlin)
+instead of an int-to-float conversion per weight, a slow instruction on a GPU: 1024.0 in
+float16 is 0x6400, and its 10 mantissa bits are zero with a unit in the last place of 1,
+so OR-ing u into them gives the bits of 1024 + u. Subtracting 1024 + z (built from z the
+same way) leaves u - z, exactly: one OR and one subtraction per weight. bfloat16 uses
+128.0 = 0x4300, float32 2^23 = 0x4B000000. At batch 1 a matmul reads every weight once and
+does 2 FLOPs per weight: it is bound by memory bandwidth, and moving 4x fewer bytes than
+bfloat16 is the whole point of W4A16 — if the unpacking keeps up.
 
 Tiling: one program per [BLOCK_M, BLOCK_N] output tile walks K in BLOCK_K steps (W4:
 BLOCK_K = group_size), accumulating in float32. At decode-sized M there are too few output
@@ -33,11 +40,13 @@ memory (cp.async); the nibbles are put back in k order in registers (`tl.interle
 one dot per group follows. Scales are stored [K / group_size, N], so a group's scales for
 BLOCK_N columns are one contiguous read. At M <= GEMV_MAX_M rows a tensor-core tile would
 be mostly padding: a GEMV kernel multiplies each unpacked weight tile with the few rows of
-x on the CUDA cores instead, and sums along K.
+x on the CUDA cores instead, in float32 (its codes dequantized by the float32 magic number,
+so there is nothing to widen), and sums along K.
 
 Cost per call: FLOPs quant_matmul_flops() = 2 M N K; bytes moved quant_matmul_bytes():
 x read and y written, (M K + M N) * itemsize, plus the quantized weights (N K or N K / 2
-bytes) and their scales, each read once (split-K's partial sums, 4 SPLIT_K M N bytes
+bytes) and their scales, each read once (zero points, 1 byte per group and column when
+there are any, are not counted; split-K's partial sums, 4 SPLIT_K M N bytes
 written and read, are not counted: they are not part of the problem).
 """
 
@@ -124,10 +133,17 @@ def dequantize_w8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return qweight.float() * scales.float()[:, None]
 
 
-def dequantize_w4(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[N, K / 2] uint8, [K / group_size, N] -> [N, K] float32."""
-    q = unpack_int4(packed).float()
-    return q * scales.float().T.repeat_interleave(group_size, dim=1)
+def dequantize_w4(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    zeros: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[N, K / 2] uint8, [K / group_size, N] scales and zero points (None: 8, the symmetric
+    grid) -> [N, K] float32 s * (u - z), u the stored nibble (u - 8 = `unpack_int4`'s q)."""
+    u = unpack_int4(packed).float() - W4_MIN
+    z = 8.0 if zeros is None else zeros.float().T.repeat_interleave(group_size, dim=1)
+    return (u - z) * scales.float().T.repeat_interleave(group_size, dim=1)
 
 
 # --- the kernels ---
@@ -185,12 +201,39 @@ def _w8a16_kernel(
 
 
 @triton.jit
-def _unpack_int4_tile(packed, dtype: tl.constexpr):
-    """[R, C] packed bytes -> [R, 2C] int4 values in dtype (exact), in k order: each byte's
-    low nibble (even k) followed by its high nibble (odd k), both minus the bias 8."""
-    low = (packed & 0xF).to(tl.float32) - 8.0
-    high = (packed >> 4).to(tl.float32) - 8.0
-    return tl.interleave(low, high).to(dtype)
+def _int4_to_float(nibbles, dtype: tl.constexpr):
+    """Integers u in [0, 15] -> MAGIC + u in dtype, exactly, with one OR and no int-to-float
+    conversion: MAGIC is a power of two whose unit in the last place is 1 (float16 1024 =
+    0x6400, bfloat16 128 = 0x4300, float32 2^23 = 0x4B000000), so its low mantissa bits
+    are zero and u written into them gives the float MAGIC + u."""
+    if dtype == tl.float16:
+        return (nibbles.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+    elif dtype == tl.bfloat16:
+        return (nibbles.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
+    else:
+        tl.static_assert(dtype == tl.float32, "dtype must be float16, bfloat16 or float32")
+        return (nibbles.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequantize_int4_tile(packed, zeros, dtype: tl.constexpr):
+    """[R, C] packed bytes and the rows' zero points zeros [R] (in [0, 15]) -> [R, 2C] q - z
+    in dtype, exact, in k order: each byte's low nibble (even k), then its high nibble (odd
+    k). Both sides carry the same magic number, so (MAGIC + q) - (MAGIC + z) = q - z."""
+    zero = _int4_to_float(zeros, dtype)[:, None]
+    low = _int4_to_float(packed & 0xF, dtype) - zero
+    high = _int4_to_float(packed >> 4, dtype) - zero
+    return tl.interleave(low, high)
+
+
+@triton.jit
+def _load_zeros(zeros_ptr, group, N, cols, col_mask, BLOCK_N: tl.constexpr):
+    """A group's zero points for BLOCK_N columns ([K / GROUP_SIZE, N] uint8, contiguous per
+    group), or the symmetric grid's 8 when there are none (zeros_ptr None)."""
+    if zeros_ptr is None:
+        return tl.full([BLOCK_N], 8, tl.uint8)
+    else:
+        return tl.load(zeros_ptr + group * N + cols, mask=col_mask, other=8)
 
 
 @triton.jit
@@ -198,6 +241,7 @@ def _w4a16_kernel(
     x_ptr,
     packed_ptr,
     scales_ptr,
+    zeros_ptr,
     out_ptr,
     M,
     N,
@@ -232,7 +276,9 @@ def _w4a16_kernel(
         )
         if DOT_FP32:
             x = x.to(tl.float32)
-        w = _unpack_int4_tile(packed, x.dtype)  # [BLOCK_N, GROUP_SIZE], back in k order
+        zeros = _load_zeros(zeros_ptr, group, N, cols, col_mask, BLOCK_N)
+        # [BLOCK_N, GROUP_SIZE] q - z, back in k order, in the dot's dtype
+        w = _dequantize_int4_tile(packed, zeros, x.dtype)
         part = tl.dot(x, tl.trans(w), input_precision="ieee")
         # scales are [K / GROUP_SIZE, N]: a group's BLOCK_N scales are contiguous
         scales = tl.load(scales_ptr + group * N + cols, mask=col_mask, other=0.0)
@@ -250,6 +296,7 @@ def _w4a16_gemv_kernel(
     x_ptr,
     packed_ptr,
     scales_ptr,
+    zeros_ptr,
     out_ptr,
     M,
     N,
@@ -285,7 +332,10 @@ def _w4a16_gemv_kernel(
         packed = tl.load(
             w_rows + group * (GROUP_SIZE // 2) + pairs[None, :], mask=col_mask[:, None], other=0
         )
-        w = _unpack_int4_tile(packed, tl.float32)  # [BLOCK_N, GROUP_SIZE]
+        zeros = _load_zeros(zeros_ptr, group, N, cols, col_mask, BLOCK_N)
+        # dequantized straight to float32 (the float32 magic number): the products and sums
+        # are float32 here, so 16-bit values would only be widened again
+        w = _dequantize_int4_tile(packed, zeros, tl.float32)  # [BLOCK_N, GROUP_SIZE]
         for r in tl.static_range(BLOCK_M):
             # rows past M re-read row M - 1; their sums are never stored
             x = tl.load(x_ptr + tl.minimum(r, M - 1) * K + group * GROUP_SIZE + ks)
@@ -434,17 +484,20 @@ def plan_quant_matmul(
 
 
 def _launch(
-    x, weight, scales, n: int, weight_bits: int, group_size: int | None, out_dtype: torch.dtype
-):
+    x, weight, scales, zeros, n: int, weight_bits: int, group_size: int | None
+) -> torch.Tensor:
     """Follow the plan: launch, then add up the split-K partial sums."""
     m, k = x.shape
     plan = plan_quant_matmul(m, n, k, x.element_size(), weight_bits, group_size, x.device)
     # partial sums in float32, added in a fixed order afterwards: deterministic, no atomics
     split_k = plan.split_k
     out = torch.empty(
-        split_k, m, n, dtype=out_dtype if split_k == 1 else torch.float32, device=x.device
+        split_k, m, n, dtype=x.dtype if split_k == 1 else torch.float32, device=x.device
     )
-    args = (x, weight, scales, out, m, n, k)
+    # W4A16 takes the zero points (or None) after the scales
+    args = (x, weight, scales, out, m, n, k) if weight_bits == 8 else (
+        x, weight, scales, zeros, out, m, n, k
+    )
     launch = dict(num_warps=plan.num_warps, num_stages=plan.num_stages, SPLIT_K=split_k)
     if plan.kernel == "w4a16_gemv":
         grid = (triton.cdiv(n, plan.block_n), split_k)
@@ -466,7 +519,7 @@ def _launch(
             _w4a16_kernel[grid](*args, DOT_FP32=dot_fp32, GROUP_SIZE=group_size, **tiles, **launch)
     if split_k == 1:
         return out[0]
-    result = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    result = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
         out, result, m * n, SPLIT_K=split_k, BLOCK=SUM_BLOCK, num_warps=4
     )
@@ -482,7 +535,7 @@ def w8a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -
     n = qweight.shape[0]
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=x.dtype, device=x.device)
-    return _launch(x, qweight, scales, n, 8, None, x.dtype)
+    return _launch(x, qweight, scales, None, n, 8, None)
 
 
 def w4a16_matmul(
@@ -490,13 +543,13 @@ def w4a16_matmul(
     packed: torch.Tensor,
     scales: torch.Tensor,
     group_size: int = DEFAULT_GROUP_SIZE,
-    out_dtype: torch.dtype | None = None,
+    zeros: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [M, K] float16/bfloat16 (float32 for testing); packed: [N, K / 2] uint8 from
-    `quantize_w4`; scales: [K / group_size, N] in x's dtype; group_size: a power of two,
-    32 to 256 -> [M, N] in out_dtype (default x's dtype). out_dtype=torch.float32 returns the
-    float32 accumulator unrounded, for a caller that still subtracts a correction from it (the
-    zero points of an asymmetric grid) and should round only once."""
+    `quantize_w4` (nibbles u in [0, 15]); scales: [K / group_size, N] in x's dtype;
+    group_size: a power of two, 32 to 256; zeros: the zero points z, [K / group_size, N]
+    uint8 in [0, 15], or None for the symmetric grid (z = 8) -> y = x W^T [M, N] in x's
+    dtype, W[n, k] = s * (u - z) for k's group."""
     _check_activations(x)
     m, k = x.shape
     if group_size not in (32, 64, 128, 256):
@@ -505,12 +558,14 @@ def w4a16_matmul(
         raise ValueError(f"x's K ({k}) must be a multiple of group_size ({group_size})")
     _check_matmul_inputs(x, "packed", packed, torch.uint8, k // 2, scales, k // group_size)
     n = packed.shape[0]
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    if out_dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"out_dtype must be x's dtype or torch.float32, got {out_dtype}")
+    if zeros is not None:
+        check_dtype("zeros", zeros, (torch.uint8,))
+        check_shape("zeros", zeros, (k // group_size, n))
+        check_same_device("zeros", zeros, x)
+        check_contiguous("zeros", zeros)
     if m == 0 or n == 0 or k == 0:
-        return torch.zeros(m, n, dtype=out_dtype, device=x.device)
-    return _launch(x, packed, scales, n, 4, group_size, out_dtype)
+        return torch.zeros(m, n, dtype=x.dtype, device=x.device)
+    return _launch(x, packed, scales, zeros, n, 4, group_size)
 
 
 def w8a16_matmul_reference(
@@ -521,10 +576,15 @@ def w8a16_matmul_reference(
 
 
 def w4a16_matmul_reference(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    zeros: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The oracle: unpack, dequantize, then matmul (float64)."""
-    return (x.double() @ dequantize_w4(packed, scales, group_size).double().T).to(x.dtype)
+    w = dequantize_w4(packed, scales, group_size, zeros)
+    return (x.double() @ w.double().T).to(x.dtype)
 
 
 def quant_matmul_flops(m: int, n: int, k: int) -> int:

@@ -57,6 +57,22 @@ SM_COUNT = {75: 40, 80: 108, 86: 84, 89: 58, 90: 132}  # T4, A100, A10, L4, H100
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Llama 3.1 8B, as in minillm.lab.kernel_bench
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, MLP = 32, 8, 128, 4096, 14336
+def sass_opcodes(cubin: bytes) -> collections.Counter:
+    """How many times each SASS opcode (I2F, LOP3, HFMA2 ..., without modifiers) occurs in
+    a cubin, as `cuobjdump -sass` disassembles it."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run(
+            [triton.knobs.nvidia.cuobjdump.path, "-sass", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    found = re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    return collections.Counter(m.group(1) for m in found)
+
+
 CACHE_BLOCK_SIZE, NUM_CACHE_BLOCKS, MAX_BLOCKS_PER_SEQ = 16, 8192, 512
 
 
@@ -149,6 +165,7 @@ def inspect(case: Case, arch: int) -> dict:
     shared = compiled.metadata.shared
     row = {"shared_bytes": shared, "limit": limit, "registers": registers}
     row |= {"spill_bytes": spill_bytes, **ptx_memory_ops(compiled.asm["ptx"])}
+    row["sass_i2f"] = sass_opcodes(compiled.asm["cubin"])["I2F"]  # int-to-float conversions
     if shared <= limit:
         occ = kernels.device.occupancy(cc, case.num_warps, shared, registers)
         row |= {"programs_per_sm": occ.programs_per_sm, "occupancy_limiter": occ.limiter}
@@ -248,7 +265,9 @@ def cases(dtype: torch.dtype, head_dims: list[int]) -> Iterator[Case]:
             fn = quant_matmul._w8a16_kernel
             args |= tensors(w_ptr=torch.int8) | dict(DOT_FP32=dot_fp32, BLOCK_K=plan.block_k)
         else:
-            args |= tensors(packed_ptr=torch.uint8) | dict(GROUP_SIZE=group_size)
+            # with zero points (AWQ and GPTQ checkpoints): the launch that loads the most
+            args |= tensors(packed_ptr=torch.uint8, zeros_ptr=torch.uint8)
+            args |= dict(GROUP_SIZE=group_size)
             if plan.kernel == "w4a16_gemv":
                 fn = quant_matmul._w4a16_gemv_kernel
                 args |= dict(NUM_STAGES=plan.num_stages)

@@ -1,13 +1,19 @@
-"""kernels.quant_matmul: quantize/pack properties, and the kernels against dequantize-then-
-matmul in float64."""
+"""kernels.quant_matmul: quantize/pack properties, the magic-number dequantization, and the
+kernels against dequantize-then-matmul in float64."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_testing import DEVICE, DTYPES
 
+from kernels import INTERPRETED
+
 from kernels.quant_matmul import (
+    _dequantize_int4_tile,
+    _int4_to_float,
     dequantize_w4,
     dequantize_w8,
     pack_int4,
@@ -55,18 +61,98 @@ def test_w8a16_matches_reference(m, n, k, dtype, seed):
     m=st.integers(0, 20),
     n=st.integers(1, 70),
     num_groups=st.integers(1, 3),
-    group_size=st.sampled_from([32, 64, 128]),
+    group_size=st.sampled_from([32, 64, 128, 256]),
     dtype=st.sampled_from(DTYPES),
+    asymmetric=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_w4a16_matches_reference(m, n, num_groups, group_size, dtype, seed):
+def test_w4a16_matches_reference(m, n, num_groups, group_size, dtype, asymmetric, seed):
+    """m <= 4 runs the GEMV, larger m the tensor-core kernel; asymmetric: every group has
+    its own zero point in [0, 15] (all of them, 0 and 15 included, drawn)."""
     gen = torch.Generator().manual_seed(seed)
     k = num_groups * group_size
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
     weight = (torch.randn(n, k, generator=gen) * 0.05).to(DEVICE, dtype)
     packed, scales = quantize_w4(weight, group_size)
-    out = w4a16_matmul(x, packed, scales, group_size)
-    assert_matmul_close(out, w4a16_matmul_reference(x, packed, scales, group_size), dtype)
+    zeros = None
+    if asymmetric:
+        zeros = torch.randint(0, 16, (num_groups, n), generator=gen, dtype=torch.uint8)
+        zeros = zeros.to(DEVICE)
+    out = w4a16_matmul(x, packed, scales, group_size, zeros)
+    assert_matmul_close(out, w4a16_matmul_reference(x, packed, scales, group_size, zeros), dtype)
+
+
+MAGIC = {torch.float16: (0x6400, 1024.0), torch.bfloat16: (0x4300, 128.0)}
+MAGIC[torch.float32] = (0x4B000000, 2.0**23)
+
+
+@pytest.mark.parametrize("dtype", list(MAGIC))
+def test_the_magic_number_identity_for_every_nibble(dtype):
+    """The bits of MAGIC OR u are the float MAGIC + u, for all 16 nibbles u: the constant's
+    mantissa bits that u fills are zero, and its unit in the last place is 1."""
+    bits, value = MAGIC[dtype]
+    assert torch.tensor([bits], dtype=torch.int32).to(
+        torch.int16 if dtype != torch.float32 else torch.int32
+    ).view(dtype).item() == value
+    u = torch.arange(16, dtype=torch.int32)
+    int_type = torch.int32 if dtype == torch.float32 else torch.int16
+    floats = (u | bits).to(int_type).view(dtype)
+    assert floats.tolist() == [value + i for i in range(16)]
+    # and minus MAGIC + z, exactly u - z, for every pair
+    z = torch.arange(16, dtype=torch.int32)[:, None]
+    diff = floats[None, :] - (z | bits).to(int_type).view(dtype)
+    assert torch.equal(diff.double(), (u[None, :] - z).double())
+
+
+@triton.jit
+def _magic_kernel(nibbles_ptr, out_ptr, DTYPE: tl.constexpr):
+    i = tl.arange(0, 16)
+    tl.store(out_ptr + i, _int4_to_float(tl.load(nibbles_ptr + i), DTYPE))
+
+
+@triton.jit
+def _dequantize_tile_kernel(packed_ptr, zeros_ptr, out_ptr, DTYPE: tl.constexpr):
+    rows, pairs = tl.arange(0, 16), tl.arange(0, 8)
+    packed = tl.load(packed_ptr + rows[:, None] * 8 + pairs[None, :])
+    w = _dequantize_int4_tile(packed, tl.load(zeros_ptr + rows), DTYPE)
+    tl.store(out_ptr + rows[:, None] * 16 + tl.arange(0, 16)[None, :], w)
+
+
+TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@pytest.mark.parametrize("dtype", [d for d in TL_DTYPES if d in DTYPES])
+def test_the_kernels_dequantization_is_exact_for_every_nibble_and_zero_point(dtype):
+    """The Triton helpers themselves: MAGIC + u for all 16 nibbles, and q - z in k order for
+    every (code, zero point) pair, in each dtype the kernels dequantize to."""
+    nibbles = torch.arange(16, dtype=torch.uint8, device=DEVICE)
+    out = torch.empty(16, dtype=dtype, device=DEVICE)
+    _magic_kernel[(1,)](nibbles, out, TL_DTYPES[dtype])
+    assert out.cpu().double().tolist() == [MAGIC[dtype][1] + u for u in range(16)]
+    if INTERPRETED and dtype == torch.bfloat16:
+        return  # the interpreter adds bfloat16 as raw 16-bit integers (the kernels, there, in float32)
+    # row r has zero point r; its 16 codes are 0..15 in k order (8 bytes)
+    codes = torch.arange(16, dtype=torch.int8).repeat(16, 1) - 8
+    packed = pack_int4(codes).to(DEVICE)
+    zeros = torch.arange(16, dtype=torch.uint8, device=DEVICE)
+    w = torch.empty(16, 16, dtype=dtype, device=DEVICE)
+    _dequantize_tile_kernel[(1,)](packed, zeros, w, TL_DTYPES[dtype])
+    expected = torch.arange(16.0)[None, :] - torch.arange(16.0)[:, None]  # q - z
+    assert torch.equal(w.cpu().double(), expected.double())
+
+
+def test_asymmetric_w4a16_worked_example():
+    # one group of 32 codes u = 5 and a zero point 3: W = 0.25 * (5 - 3) = 0.5 everywhere
+    packed = pack_int4(torch.full((1, 32), 5 - 8, dtype=torch.int8)).to(DEVICE)
+    scales = torch.tensor([[0.25]], device=DEVICE)
+    zeros = torch.tensor([[3]], dtype=torch.uint8, device=DEVICE)
+    x = torch.arange(32.0, device=DEVICE)[None, :]
+    # y = 0.5 * (0 + 1 + ... + 31) = 248; the symmetric grid (z = 8) gives 0.25 * -3 * 496
+    assert float(w4a16_matmul(x, packed, scales, 32, zeros)) == 248.0
+    assert float(w4a16_matmul(x, packed, scales, 32)) == -372.0
+    # through the tensor-core kernel too (m = 8 > GEMV_MAX_M)
+    x8 = x.repeat(8, 1)
+    assert w4a16_matmul(x8, packed, scales, 32, zeros).flatten().tolist() == [248.0] * 8
 
 
 @given(q=st.lists(st.integers(-8, 7), min_size=2, max_size=40).filter(lambda v: len(v) % 2 == 0))
@@ -156,14 +242,11 @@ def test_w4a16_worked_example():
     # y = 0.2 * (31 * 4 - 7) = 23.4
     out = w4a16_matmul(x, packed.to(DEVICE), scales.to(DEVICE), 32)
     torch.testing.assert_close(out.cpu(), torch.tensor([[23.4]]))
-    # bfloat16 activations: by default the output is rounded to bfloat16 (23.375); with
-    # out_dtype=float32 it is the float32 accumulator itself
+    # bfloat16 activations: the output is rounded once to bfloat16 (0.2 rounds to 0.2002 in
+    # bfloat16, and 117 * 0.2002 = 23.42 to 23.375)
     x16 = x.to(torch.bfloat16)
-    s16 = scales.to(DEVICE, torch.bfloat16)  # 0.2 rounds to 0.2002 in bfloat16
+    s16 = scales.to(DEVICE, torch.bfloat16)
     assert float(w4a16_matmul(x16, packed.to(DEVICE), s16, 32)) == 23.375
-    exact = w4a16_matmul(x16, packed.to(DEVICE), s16, 32, out_dtype=torch.float32)
-    assert exact.dtype == torch.float32
-    torch.testing.assert_close(exact.cpu(), 117 * s16.float().cpu(), atol=1e-5, rtol=0)
 
 
 def quantized(kind):
@@ -172,7 +255,8 @@ def quantized(kind):
         qweight, scales = quantize_w8(weight)
         return w8a16_matmul, dict(x=x, qweight=qweight, scales=scales)
     packed, scales = quantize_w4(weight, 32)
-    return w4a16_matmul, dict(x=x, packed=packed, scales=scales, group_size=32, out_dtype=None)
+    zeros = torch.zeros(2, 16, dtype=torch.uint8)
+    return w4a16_matmul, dict(x=x, packed=packed, scales=scales, group_size=32, zeros=zeros)
 
 
 @pytest.mark.parametrize(
@@ -192,12 +276,9 @@ def quantized(kind):
         ("w4", "scales", lambda t: t.T.contiguous(), r"scales must have shape \[2, 16\]"),
         ("w4", "group_size", lambda g: 48, "group_size must be 32, 64, 128 or 256"),
         ("w4", "group_size", lambda g: 128, r"x's K \(64\) must be a multiple of group_size"),
-        (
-            "w4",
-            "out_dtype",
-            lambda d: torch.float16,
-            "out_dtype must be x's dtype or torch.float32",
-        ),
+        ("w4", "zeros", lambda t: t.to(torch.int8), "zeros must be uint8"),
+        ("w4", "zeros", lambda t: t.T.contiguous(), r"zeros must have shape \[2, 16\]"),
+        ("w4", "zeros", lambda t: t.to("meta"), "zeros must be on"),
     ],
 )
 def test_bad_input_is_rejected_before_launch(kind, name, change, message):
@@ -232,6 +313,9 @@ def test_quant_matmul_at_real_sizes(dtype, m):
     packed, scales = quantize_w4(weight)
     out = w4a16_matmul(x, packed, scales)
     assert_matmul_close(out, w4a16_matmul_reference(x, packed, scales, 128), dtype)
+    zeros = torch.randint(0, 16, scales.shape, device="cuda", dtype=torch.uint8)
+    out = w4a16_matmul(x, packed, scales, 128, zeros)
+    assert_matmul_close(out, w4a16_matmul_reference(x, packed, scales, 128, zeros), dtype)
 
 
 @pytest.mark.gpu

@@ -179,7 +179,7 @@ def test_symmetric_and_act_order_layers_round_trip_through_gptq(tmp_path):
     ids = torch.randint(0, 128, (2, 10), generator=gen)
     with torch.no_grad():
         torch.testing.assert_close(reloaded.forward_causal(ids), model.forward_causal(ids))
-    assert reloaded.model.layers[1].mlp.down_proj.zero_offsets is None
+    assert reloaded.model.layers[1].mlp.down_proj.zero_points is None
     with pytest.raises(ValueError, match="input permutation"):
         save_quantized(model, config, TARGET, tmp_path / "awq", "awq")
 

@@ -92,20 +92,55 @@ def test_int4_triton_path_matches_the_same_oracle(
 
 
 def test_int4_kernel_rounds_once_with_zero_points_in_bfloat16():
-    """With zero points the kernel path subtracts sum_k x_k s z from the kernel's output. Taken
-    from the float32 accumulator and rounded once to bfloat16, the result is no less accurate
-    than dequantizing and multiplying; subtracted from an output already rounded to bfloat16,
-    it carried two roundings and about twice the error."""
+    """The kernel subtracts the zero points from the codes before any product (exactly) and
+    rounds the float32 accumulator once to bfloat16: every output lies within one bfloat16
+    unit in the last place of the float64 product with the layer's own (bfloat16) scales
+    (the interpreter truncates where a GPU rounds to nearest, so one unit, not half).
+    Dequantizing to bfloat16 first, as the PyTorch path does, rounds every weight too, and
+    misses that bound."""
     gen = torch.Generator().manual_seed(3)
-    codes, scales, zeros, perm, weight = int4_case(gen, 64, 128, 32, False, False)
+    codes, scales, zeros, perm, _ = int4_case(gen, 64, 128, 32, False, False)
     layer = Int4Linear(codes, scales, zeros, 32, None, torch.bfloat16, perm).to(DEVICE)
     x = torch.randn(8, 128, generator=gen).to(DEVICE, torch.bfloat16)
+    # s (q - z) with s in bfloat16 and |q - z| <= 15 is exact in float32
+    weight = layer.scales.T.double().cpu().repeat_interleave(32, dim=1)
+    weight = weight * (codes.double() - zeros.double().repeat_interleave(32, dim=1))
     expected = reference_linear(x.cpu(), weight)
 
-    def error(y):
-        return float((y.double().cpu() - expected).norm() / expected.norm())
+    def within_one_ulp(y):
+        ulp = torch.finfo(torch.bfloat16).eps * expected.abs()
+        return bool(((y.double().cpu() - expected).abs() <= ulp + 1e-6).all())
 
-    assert error(layer.forward_kernel(x)) <= error(layer.forward_torch(x))
+    assert within_one_ulp(layer.forward_kernel(x))
+    assert not within_one_ulp(layer.forward_torch(x))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_forward_kernel_is_one_kernel_call(monkeypatch, symmetric):
+    """Zero points are prepared once, at load ([G, N] uint8, the kernel's layout), and applied
+    inside the kernel: the layer's output is the kernel's, with nothing computed around it."""
+    from minillm.model.quantization import linear
+
+    gen = torch.Generator().manual_seed(5)
+    codes, scales, zeros, perm, weight = int4_case(gen, 16, 64, 32, symmetric, False)
+    layer = Int4Linear(codes, scales, zeros, 32, None, torch.float32, perm).to(DEVICE)
+    assert (layer.zero_points is None) == symmetric
+    if not symmetric:
+        assert layer.zero_points.dtype == torch.uint8 and layer.zero_points.shape == (2, 16)
+    calls = []
+    kernel = linear.w4a16_matmul
+
+    def recording(*args):
+        calls.append(args)
+        calls.append(kernel(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(linear, "w4a16_matmul", recording)
+    x = torch.randn(3, 64, generator=gen).to(DEVICE)
+    y = layer.forward_kernel(x)
+    assert len(calls) == 2 and y is calls[1]
+    assert calls[0][4] is layer.zero_points
+    assert_matches(y, reference_linear(x.cpu(), weight), torch.float32)
 
 
 @given(

@@ -175,7 +175,7 @@ def quantization_config(checkpoint_format: str, group_size: int, layers) -> dict
         "bits": 4,
         "group_size": group_size,
         "desc_act": any(m.input_perm is not None for m in layers),
-        "sym": all(m.zero_offsets is None for m in layers),
+        "sym": all(m.zero_points is None for m in layers),
         "checkpoint_format": checkpoint_format,
         "lm_head": False,
     }

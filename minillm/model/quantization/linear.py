@@ -31,7 +31,7 @@ from kernels.quant_matmul import pack_int4, unpack_int4, w4a16_matmul, w8a16_mat
 
 # group sizes the W4A16 kernel handles; others run the dequantize path on every device
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
-INT4_SIGNED_OFFSET = 8  # the kernel reads a nibble u as the signed value u - 8
+INT4_SIGNED_OFFSET = 8  # codes q go to pack_int4 as q - 8 (its nibble is q); a symmetric z
 FP8_DTYPE = torch.float8_e4m3fn
 
 
@@ -120,15 +120,12 @@ class Int8Linear(QuantizedLinear):
 class Int4Linear(QuantizedLinear):
     """W4A16: 4-bit codes q in [0, 15], w = s * (q - z) per group of input channels.
 
-    In memory, in the W4A16 kernel's layout (`kernels.quant_matmul`): `packed` [N, K / 2]
-    uint8 holds q - 8 in the nibbles of `pack_int4`; `scales` [G, N] (G = K / group_size,
-    group-major like GPTQ and AWQ checkpoints) in the activations' dtype; `zero_offsets`
-    [G, N] int8 = z - 8, or None for a symmetric grid (z = 8 everywhere, which is what the
-    kernel computes by itself).
-
-    With zero points the kernel's sum_k x_k s_g (q_k - 8) misses - sum_g s_g (z_g - 8)
-    sum_{k in g} x_k: the [M, G] group sums of x times the [G, N] matrix s (z - 8), added
-    afterwards.
+    In memory, in the W4A16 kernel's layout (`kernels.quant_matmul`), built once at load:
+    `packed` [N, K / 2] uint8 holds the codes q in the nibbles of `pack_int4`; `scales`
+    [G, N] (G = K / group_size, group-major like GPTQ and AWQ checkpoints) in the
+    activations' dtype; `zero_points` [G, N] uint8 = z, or None for a symmetric grid (z = 8
+    everywhere, the kernel's default). The kernel subtracts z as it dequantizes, so an
+    asymmetric layer is one launch, like a symmetric one.
 
     `input_perm` (act-order checkpoints): stored column j holds input channel input_perm[j],
     so that each group is contiguous in memory; x's columns are permuted to match.
@@ -160,12 +157,12 @@ class Int4Linear(QuantizedLinear):
         signed = (codes.to(torch.int16) - INT4_SIGNED_OFFSET).to(torch.int8)
         self.register_buffer("packed", pack_int4(signed.contiguous()), persistent=False)
         self.register_buffer("scales", scales.T.to(dtype).contiguous(), persistent=False)
-        offsets = None
+        zero_points = None
         if zeros is not None:
             if zeros.numel() and (zeros.min() < 0 or zeros.max() > 15):
                 raise ValueError("int4 zero points must lie in [0, 15]")
-            offsets = (zeros.T.to(torch.int16) - INT4_SIGNED_OFFSET).to(torch.int8).contiguous()
-        self.register_buffer("zero_offsets", offsets, persistent=False)
+            zero_points = zeros.T.to(torch.uint8).contiguous()
+        self.register_buffer("zero_points", zero_points, persistent=False)
         if input_perm is not None:
             input_perm = input_perm.to(torch.int64)
             if sorted(input_perm.tolist()) != list(range(k)):
@@ -178,15 +175,15 @@ class Int4Linear(QuantizedLinear):
 
     def zeros(self) -> torch.Tensor:
         """The zero points z in [0, 15], [N, G] int32."""
-        if self.zero_offsets is None:
+        if self.zero_points is None:
             return torch.full(self.scales.T.shape, INT4_SIGNED_OFFSET, dtype=torch.int32)
-        return self.zero_offsets.T.to(torch.int32) + INT4_SIGNED_OFFSET
+        return self.zero_points.T.to(torch.int32)
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.out_features, self.in_features
         q = unpack_int4(self.packed).float().view(n, k // self.group_size, self.group_size)
-        if self.zero_offsets is not None:  # (q - 8) - (z - 8) = q - z
-            q = q - self.zero_offsets.T.float()[:, :, None]
+        if self.zero_points is not None:  # (q - 8) - (z - 8) = q - z
+            q = q - (self.zero_points.T.float()[:, :, None] - INT4_SIGNED_OFFSET)
         w = (q * self.scales.T.float()[:, :, None]).view(n, k)
         if self.input_perm is None:
             return w
@@ -199,14 +196,7 @@ class Int4Linear(QuantizedLinear):
     def forward_kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_perm is not None:
             x = x[:, self.input_perm].contiguous()
-        if self.zero_offsets is None:
-            return w4a16_matmul(x, self.packed, self.scales, self.group_size)
-        # the zero-point term is subtracted from the float32 accumulator, rounded once after
-        y = w4a16_matmul(x, self.packed, self.scales, self.group_size, out_dtype=torch.float32)
-        num_groups = self.in_features // self.group_size
-        group_sums = x.float().view(x.shape[0], num_groups, self.group_size).sum(dim=2)  # [M, G]
-        correction = group_sums @ (self.scales.float() * self.zero_offsets.float())
-        return (y - correction).to(x.dtype)
+        return w4a16_matmul(x, self.packed, self.scales, self.group_size, self.zero_points)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
