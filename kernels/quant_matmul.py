@@ -495,8 +495,10 @@ def _launch(
         split_k, m, n, dtype=x.dtype if split_k == 1 else torch.float32, device=x.device
     )
     # W4A16 takes the zero points (or None) after the scales
-    args = (x, weight, scales, out, m, n, k) if weight_bits == 8 else (
-        x, weight, scales, zeros, out, m, n, k
+    args = (
+        (x, weight, scales, out, m, n, k)
+        if weight_bits == 8
+        else (x, weight, scales, zeros, out, m, n, k)
     )
     launch = dict(num_warps=plan.num_warps, num_stages=plan.num_stages, SPLIT_K=split_k)
     if plan.kernel == "w4a16_gemv":

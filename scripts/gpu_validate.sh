@@ -8,14 +8,14 @@
 #      versions, a line for each missing package and what it skips; then each kernel once
 #      at a real serving size in bfloat16 and float16 against a float64 oracle, the first
 #      runs of the low-precision paths (the CPU tests compute in float32)
-#   2. scripts/gpu_check.sh with the rest of the budget: the kernels' GPU tests, the three
-#      goals (decode >= 70% of HBM bandwidth at 64 x 4k, prefill within 1.5x of SDPA's
-#      FlashAttention, W4A16 at batch 1 faster than bfloat16), the repository's other GPU
-#      tests, the oracles compiled for the GPU, tile sweeps, then the full benchmark
+#   2. scripts/gpu_check.sh with the rest of the budget: the goals, each in its own
+#      process (W4A16 against dense fp16 on several shapes, decode >= 70% of HBM bandwidth
+#      at 64 x 4k, prefill within 1.5x of SDPA's FlashAttention, a mixed prefill + decode
+#      step, CUDA graphs), then the kernels' GPU tests and the oracles compiled for the GPU
 #
 # Everything is written to $OUT when it is set (a remote run hands back that folder), else
-# to benchmarks/results: gpu_probes_<device>.json, gpu_check_<device>.{json,log},
-# kernels_<device>.json (the file chapter 5 and benchmarks/README.md show) and sweeps/.
+# to benchmarks/results: gpu_probes_<device>.json, gpu_check_<device>.jsonl and a folder
+# per gpu_check phase (kernels_<device>.json inside each benchmark phase's).
 # It runs on the GPU image's own python3 (torch and Triton with CUDA; pytest and hypothesis
 # for the test phases, which are skipped and say so without them; no Jupyter needed).
 #

@@ -57,6 +57,8 @@ SM_COUNT = {75: 40, 80: 108, 86: 84, 89: 58, 90: 132}  # T4, A100, A10, L4, H100
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Llama 3.1 8B, as in minillm.lab.kernel_bench
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, MLP = 32, 8, 128, 4096, 14336
+
+
 def sass_opcodes(cubin: bytes) -> collections.Counter:
     """How many times each SASS opcode (I2F, LOP3, HFMA2 ..., without modifiers) occurs in
     a cubin, as `cuobjdump -sass` disassembles it."""

@@ -385,6 +385,130 @@ def quant_matmul_case(bench: Bench, m: int, n: int, k: int) -> None:
     )
 
 
+# W4A16 decided shape by shape: the MLP up projection (hidden -> intermediate) of three model
+# sizes, at the decode GEMV (M = 1) and a small-batch GEMM (M = 16), against the dense
+# float16 matmul, symmetric and with zero points (what AWQ and GPTQ checkpoints carry)
+W4A16_DECISION_MODELS = ("Qwen3-0.6B", "Llama 3.1 8B", "Llama 3.3 70B")
+W4A16_DECISION_ROWS = (1, 16)
+
+
+def bench_w4a16_decision(bench: Bench, quick: bool) -> None:
+    from minillm.lab.catalog import get_model_config
+
+    for model in W4A16_DECISION_MODELS:  # quick too: the decision needs every size
+        config = get_model_config(model)
+        for m in W4A16_DECISION_ROWS:
+            w4a16_decision_case(bench, m, config.intermediate_size, config.hidden_size, model)
+
+
+def w4a16_decision_case(bench: Bench, m: int, n: int, k: int, model: str) -> None:
+    from kernels.quant_matmul import (
+        quant_matmul_bytes,
+        quant_matmul_flops,
+        quantize_w4,
+        w4a16_matmul,
+    )
+
+    dtype = torch.float16
+    weight = torch.randn(n, k, device=DEVICE, dtype=dtype) * 0.02
+    packed, scales = quantize_w4(weight)
+    zeros = torch.randint(0, 16, scales.shape, device=DEVICE, dtype=torch.uint8)
+    x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    flops = quant_matmul_flops(m, n, k)
+    w4_bytes = quant_matmul_bytes(m, n, k, 2, 4, 128)
+    case = f"{model} up M={m} N={n} K={k}"
+    bench.run(
+        "w4a16 decision",
+        case,
+        "triton w4a16",
+        lambda: w4a16_matmul(x, packed, scales),
+        w4_bytes,
+        flops,
+    )
+    bench.run(
+        "w4a16 decision",
+        case,
+        "triton w4a16 zero points",
+        lambda: w4a16_matmul(x, packed, scales, 128, zeros),
+        w4_bytes + n * k // 128,
+        flops,
+    )
+    bench.run(
+        "w4a16 decision",
+        case,
+        "torch fp16 matmul",
+        lambda: x @ weight.T,
+        (m * k + m * n + n * k) * 2,
+        flops,
+    )
+
+
+def bench_mixed_step(bench: Bench, quick: bool) -> None:
+    """A forward step of a Qwen3-0.6B-shaped model (random weights, Triton attention) on a
+    mixed batch, 31 decode rows at a 1k context beside one 512-token prefill chunk after a
+    512-token prefix, and on each half alone: the mixed batch's split into the decode and
+    prefill kernels, timed eager (mixed steps are not graphed). Bytes: the weights once;
+    FLOPs: 2 per weight per token (attention left out)."""
+    from minillm.lab.catalog import get_model_config
+    from minillm.model.attention import AttentionMetadata, split_mixed_batch
+    from minillm.model.llama import LlamaForCausalLM
+    from minillm.worker.model_runner import allocate_kv_caches
+
+    config = get_model_config("Qwen3-0.6B")
+    decodes, context, chunk, prefix = 31, 1024, 512, 512
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config, "triton").to(DTYPE).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = config.vocab_size * config.hidden_size
+    num_weights = sum(p.numel() for p in model.parameters()) - embedding
+    blocks_per_seq = math.ceil((context + chunk) / BLOCK_SIZE)
+    kv_caches = allocate_kv_caches(
+        config, (decodes + 1) * blocks_per_seq + 1, BLOCK_SIZE, DTYPE, torch.device(DEVICE)
+    )
+    tables = torch.arange((decodes + 1) * blocks_per_seq, device=DEVICE).view(decodes + 1, -1)
+
+    def step(seqs: list[tuple[int, int]]):
+        """seqs: (new tokens, context before them) per sequence, in table row order."""
+        query_lens = [q for q, _ in seqs]
+        seq_lens = [q + c for q, c in seqs]
+        starts = [0]
+        for q in query_lens:
+            starts.append(starts[-1] + q)
+        positions = torch.cat([torch.arange(c, c + q, device=DEVICE) for q, c in seqs])
+        rows = torch.cat([torch.full((q,), i, device=DEVICE) for i, (q, _) in enumerate(seqs)])
+        row_tables = tables[: len(seqs)]
+        slots = row_tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=torch.tensor(starts, device=DEVICE, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, device=DEVICE, dtype=torch.int32),
+            block_tables=row_tables.int(),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=BLOCK_SIZE,
+            mixed=split_mixed_batch(starts, seq_lens, DEVICE),
+        )
+        ids = torch.randint(0, config.vocab_size, (starts[-1],), device=DEVICE)
+
+        def forward():
+            with torch.inference_mode():
+                return model(ids, positions, kv_caches, meta)
+
+        return forward, starts[-1]
+
+    batches = {
+        f"mixed: {decodes} decodes + {chunk}-token chunk": [(1, context)] * decodes
+        + [(chunk, prefix)],
+        f"decode only: {decodes} decodes": [(1, context)] * decodes,
+        f"prefill only: {chunk}-token chunk": [(chunk, prefix)],
+    }
+    for case, seqs in batches.items():
+        forward, num_tokens = step(seqs)
+        bench.run(
+            "mixed step", case, "eager, triton", forward, weight_bytes, 2 * num_weights * num_tokens
+        )
+
+
 def bench_decode_step_graphs(quick: bool) -> list[dict]:
     """Decode-step forward time of a Qwen3-0.6B-shaped model, eager and replayed as a graph."""
     from minillm.lab.catalog import get_model_config
@@ -473,7 +597,16 @@ def evaluate_goals(measurements: list[Measurement]) -> dict:
         if m.kernel == "quant_matmul" and m.impl == "triton w4a16" and m.case.startswith("M=1 "):
             baseline = find(measurements, "quant_matmul", m.case, "torch bf16 matmul")
             w4_vs_bf16[m.case] = baseline.time_ms / m.time_ms
+    w4_decision = {}
+    for m in measurements:
+        if m.kernel == "w4a16 decision" and m.impl.startswith("triton"):
+            dense = find(measurements, "w4a16 decision", m.case, "torch fp16 matmul")
+            if dense is not None:
+                w4_decision.setdefault(m.case, {})[m.impl] = dense.time_ms / m.time_ms
     return {
+        "w4a16_speedup_over_fp16_by_shape": w4_decision,
+        "w4a16_faster_on_every_shape": bool(w4_decision)
+        and min(min(v.values()) for v in w4_decision.values()) > 1,
         "decode_64x4096_pct_of_hbm": best_decode_pct,
         "decode_goal_met": best_decode_pct is not None
         and best_decode_pct >= DECODE_GOAL_PCT_OF_HBM,
@@ -508,6 +641,8 @@ KERNEL_BENCHMARKS = {
     "prefill": bench_prefill,
     "decode": bench_decode,
     "quant_matmul": bench_quant_matmul,
+    "w4a16_decision": bench_w4a16_decision,
+    "mixed_step": bench_mixed_step,
 }
 
 

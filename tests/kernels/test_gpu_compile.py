@@ -132,7 +132,8 @@ from minillm.lab import aot
 def convert(packed_ptr, out_ptr):
     i = tl.arange(0, 256)
     tl.store(out_ptr + i, (tl.load(packed_ptr + i) & 0xF).to(tl.float32))
-case = aot.Case("convert", convert, aot.tensors(packed_ptr=torch.uint8, out_ptr=torch.float32), 4, 1)
+args = aot.tensors(packed_ptr=torch.uint8, out_ptr=torch.float32)
+case = aot.Case("convert", convert, args, 4, 1)
 print(aot.sass_opcodes(aot.compile_like_jit(case, 90).asm["cubin"])["I2F"])
 """
     script = tmp_path / "convert.py"  # (Triton reads a kernel's source from its file)

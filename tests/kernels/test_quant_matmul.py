@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from kernel_testing import DEVICE, DTYPES
 
 from kernels import INTERPRETED
-
 from kernels.quant_matmul import (
     _dequantize_int4_tile,
     _int4_to_float,
@@ -91,9 +90,13 @@ def test_the_magic_number_identity_for_every_nibble(dtype):
     """The bits of MAGIC OR u are the float MAGIC + u, for all 16 nibbles u: the constant's
     mantissa bits that u fills are zero, and its unit in the last place is 1."""
     bits, value = MAGIC[dtype]
-    assert torch.tensor([bits], dtype=torch.int32).to(
-        torch.int16 if dtype != torch.float32 else torch.int32
-    ).view(dtype).item() == value
+    assert (
+        torch.tensor([bits], dtype=torch.int32)
+        .to(torch.int16 if dtype != torch.float32 else torch.int32)
+        .view(dtype)
+        .item()
+        == value
+    )
     u = torch.arange(16, dtype=torch.int32)
     int_type = torch.int32 if dtype == torch.float32 else torch.int16
     floats = (u | bits).to(int_type).view(dtype)
@@ -130,7 +133,7 @@ def test_the_kernels_dequantization_is_exact_for_every_nibble_and_zero_point(dty
     _magic_kernel[(1,)](nibbles, out, TL_DTYPES[dtype])
     assert out.cpu().double().tolist() == [MAGIC[dtype][1] + u for u in range(16)]
     if INTERPRETED and dtype == torch.bfloat16:
-        return  # the interpreter adds bfloat16 as raw 16-bit integers (the kernels, there, in float32)
+        return  # the interpreter adds bfloat16 as raw integers (kernels there use float32)
     # row r has zero point r; its 16 codes are 0..15 in k order (8 bytes)
     codes = torch.arange(16, dtype=torch.int8).repeat(16, 1) - 8
     packed = pack_int4(codes).to(DEVICE)

@@ -1,116 +1,157 @@
-"""scripts/gpu_check.sh: parses, refuses a machine without CUDA, finds the GPU tests, and
-(run on a CPU with GPU_CHECK_ALLOW_CPU=1, only for this test) runs its phases under the
-time budget, recording each in its results file and copying them into $OUT."""
+"""scripts/gpu_check.sh and minillm.lab.gpu_check: the plan fits its budget, a dry run prints
+it on a CPU, a machine without CUDA is refused cleanly, and (run on a CPU with
+GPU_CHECK_ALLOW_CPU=1, only for these tests) each phase is its own process, so a phase that
+aborts is recorded as failed and the phases after it still run."""
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from minillm.lab import gpu_check
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-PHASES = ["kernels", "bench", "gpu-tests", "oracles", "sweeps", "bench-full"]
+NAMES = ["w4a16", "decode", "prefill", "mixed-step", "cuda-graphs", "kernel-tests", "oracles"]
 
 
 def test_the_script_parses():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_without_cuda_it_exits_2_and_says_why(tmp_path):
-    result = subprocess.run(
-        ["bash", str(SCRIPT)],
+@pytest.mark.parametrize("budget", [1, 30, 60, 100, 200, 480, 600, 900, 3600])
+def test_the_plan_fits_its_budget(budget):
+    rows = gpu_check.plan(budget)
+    assert [row["phase"] for row in rows] == NAMES
+    assert gpu_check.RESERVE_S + sum(row["budget_s"] for row in rows) <= max(
+        budget, gpu_check.RESERVE_S
+    )
+    assert all(row["budget_s"] == 0 or row["budget_s"] >= gpu_check.MIN_PHASE_S for row in rows)
+
+
+def test_the_default_plan_runs_every_phase_within_a_15_minute_lease():
+    assert gpu_check.DEFAULT_BUDGET_S == 480
+    rows = gpu_check.plan(480)
+    assert all(row["budget_s"] >= gpu_check.MIN_PHASE_S for row in rows)
+    assert sum(row["budget_s"] for row in rows) + gpu_check.RESERVE_S <= 480
+    # each goal is its own phase (its own process)
+    assert {"w4a16", "decode", "prefill", "mixed-step"} <= {row["phase"] for row in rows}
+
+
+def run_script(*args, env=None, timeout=120):
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
         capture_output=True,
         text=True,
-        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "HOME": str(tmp_path)},
-        check=False,
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
     )
+
+
+def test_the_dry_run_prints_the_plan_and_its_total():
+    result = run_script("--dry-run", "--budget", "480")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for row in gpu_check.plan(480):
+        line = next(ln for ln in lines if ln.split()[0] == row["phase"])
+        assert f"{row['budget_s']} s" in line and row["measures"][:40] in line
+    total = gpu_check.RESERVE_S + sum(row["budget_s"] for row in gpu_check.plan(480))
+    assert lines[-1] == f"total at most {total} s of 480 s"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_a_real_run_is_refused_cleanly(tmp_path):
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHON": sys.executable,
+        "HOME": str(tmp_path),
+        "OUT": str(tmp_path),
+    }
+    result = run_script("--budget", "480", env=env)
     assert result.returncode == 2
-    assert "needs a CUDA GPU" in result.stderr
-    assert not list((ROOT / "benchmarks" / "results").glob("gpu_check_cpu.*"))
+    assert "needs a CUDA GPU" in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-def test_a_bad_argument_is_refused():
-    result = subprocess.run(["bash", str(SCRIPT), "--fast"], capture_output=True, text=True)
+@pytest.mark.parametrize("args", [["--fast"], ["--budget"]])
+def test_a_bad_argument_is_refused(args):
+    result = run_script(*args)
     assert result.returncode == 2 and "usage: scripts/gpu_check.sh" in result.stderr
 
 
-def test_it_finds_every_module_with_gpu_tests():
-    """The script's grep, run here, lists the modules that hold tests marked gpu."""
-    line = next(ln for ln in SCRIPT.read_text().splitlines() if "grep -rlE" in ln)
-    pattern = re.search(r'grep -rlE "([^"]+)"', line).group(1).replace("\\\\", "\\")
-    found = subprocess.run(
-        ["grep", "-rlE", pattern, "tests", "--include=test_*.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    marked = sorted(
-        str(path.relative_to(ROOT))
-        for path in (ROOT / "tests").rglob("test_*.py")
-        if re.search(r"@pytest\.mark\.gpu\b|pytestmark\s*=.*mark\.gpu", path.read_text())
+def test_a_crashing_phase_is_recorded_and_the_later_phases_still_run(tmp_path, monkeypatch):
+    """On a CPU, with every phase's command replaced by a short one: the injected fault
+    (GPU_CHECK_FAIL_PHASE) aborts its process; the results file has its failure, written
+    before the next phase started, and the next phases' entries."""
+    ok = (sys.executable, "-c", "print('measured')")
+    phases = tuple(gpu_check.Phase(p.name, p.share, p.measures, ok) for p in gpu_check.PHASES)
+    monkeypatch.setattr(gpu_check, "PHASES", phases)
+    monkeypatch.setenv("GPU_CHECK_ALLOW_CPU", "1")
+    monkeypatch.setenv("GPU_CHECK_FAIL_PHASE", "decode")
+    seen_before_each_phase = []
+    real_run_phase = gpu_check.run_phase
+
+    def spying(phase, budget_s, out):
+        seen_before_each_phase.append((tmp_path / "gpu_check_cpu.jsonl").read_text())
+        return real_run_phase(phase, budget_s, out)
+
+    monkeypatch.setattr(gpu_check, "run_phase", spying)
+    code = gpu_check.main(["--budget", "480", "--out", str(tmp_path)])
+    assert code == 1
+    lines = [json.loads(ln) for ln in (tmp_path / "gpu_check_cpu.jsonl").read_text().splitlines()]
+    header, entries = lines[0], lines[1:]
+    assert header["budget_s"] == 480 and header["plan"] == gpu_check.plan(480)
+    assert {"nvidia_smi", "processes", "versions"} <= set(header["device"])
+    assert [e["phase"] for e in entries] == NAMES
+    status = {e["phase"]: (e["status"], e["exit_code"]) for e in entries}
+    assert status["decode"] == ("failed", -6)  # SIGABRT, as a CUDA fault ends a process
+    assert all(status[n] == ("passed", 0) for n in NAMES if n != "decode")
+    # written as each phase ended: before phase i started, i entries were in the file
+    assert [len(text.splitlines()) - 1 for text in seen_before_each_phase] == list(range(7))
+    assert "simulated fault" in (tmp_path / "decode" / "log.txt").read_text()
+    assert "measured" in (tmp_path / "prefill" / "log.txt").read_text()
+
+
+def test_a_phase_past_its_budget_is_stopped_and_recorded(tmp_path, monkeypatch):
+    slow = (sys.executable, "-c", "import time; time.sleep(60)")
+    ok = (sys.executable, "-c", "pass")
+    phases = (
+        gpu_check.Phase("slow", 1.0, "sleeps", slow),
+        gpu_check.Phase("after", 1.0, "returns", ok),
     )
-    assert marked and sorted(found) == marked
-
-
-def run_on_cpu(tmp_path, budget: int) -> tuple[subprocess.CompletedProcess, dict, str]:
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {
-        **os.environ,
-        "PYTHON": sys.executable,
-        "GPU_CHECK_ALLOW_CPU": "1",
-        "GPU_CHECK_RESULTS": str(tmp_path / "results"),
-        "OUT": str(out),
-    }
-    result = subprocess.run(
-        ["bash", str(SCRIPT), "--budget", str(budget)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=budget + 120,
+    monkeypatch.setattr(gpu_check, "PHASES", phases)
+    monkeypatch.setattr(gpu_check, "MIN_PHASE_S", 1)
+    monkeypatch.setattr(
+        gpu_check,
+        "plan",
+        lambda budget: [
+            {"phase": "slow", "budget_s": 2, "measures": ""},
+            {"phase": "after", "budget_s": 5, "measures": ""},
+        ],
     )
-    results = json.loads((tmp_path / "results" / "gpu_check_cpu.json").read_text())
-    log = (tmp_path / "results" / "gpu_check_cpu.log").read_text()
-    # what a remote run hands back: the same files in $OUT
-    assert (out / "gpu_check_cpu.json").read_text() == json.dumps(results, indent=2)
-    return result, results, log
+    monkeypatch.setenv("GPU_CHECK_ALLOW_CPU", "1")
+    assert gpu_check.main(["--budget", "60", "--out", str(tmp_path)]) == 1
+    lines = [json.loads(ln) for ln in (tmp_path / "gpu_check_cpu.jsonl").read_text().splitlines()]
+    assert [(e["phase"], e["status"]) for e in lines[1:]] == [
+        ("slow", "timeout"),
+        ("after", "passed"),
+    ]
+    assert lines[1]["seconds"] < 10
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_with_no_time_left_every_phase_is_recorded_as_skipped(tmp_path):
-    result, results, log = run_on_cpu(tmp_path, budget=30)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert [p["phase"] for p in results["phases"]] == PHASES
-    statuses = {p["status"] for p in results["phases"]}
-    assert statuses <= {"skipped: no time left", "skipped: pytest or hypothesis missing"}
-    # the machine and versions come first, whatever follows
-    assert results["budget_s"] == 30 and results["versions"]["torch"] == torch.__version__
-    assert results["versions"]["packages"]["pytest"] and results["date"]
-    assert "== done" in log
+def test_phase_commands_name_real_benchmarks_and_options():
+    """Every benchmark phase's --only names a benchmark kernel_bench knows."""
+    from minillm.lab.kernel_bench import KERNEL_BENCHMARKS
 
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_the_phases_run_in_order_within_the_budget(tmp_path):
-    result, results, log = run_on_cpu(tmp_path, budget=110)
-    phases = {p["phase"]: p for p in results["phases"]}
-    assert list(phases) == PHASES
-    # the kernels' GPU tests are collected and skipped here (no GPU), and counted
-    assert phases["kernels"]["status"] == "passed"
-    assert phases["kernels"]["tests"]["tests"] == phases["kernels"]["tests"]["skipped"] > 10
-    # the benchmark refuses a CPU: a failed phase, and the run goes on
-    assert phases["bench"]["status"] == "failed" and phases["bench"]["exit_code"] == 2
-    assert phases["sweeps"]["status"] == "failed"
-    assert sum(p["seconds"] for p in results["phases"]) <= 110
-    assert result.returncode == 1
-    assert all(f"== {name}: " in log for name in PHASES)
+    for phase in gpu_check.PHASES:
+        if "minillm.lab.kernel_bench" in phase.command:
+            start = phase.command.index("--only") + 1
+            end = phase.command.index("--out")
+            assert set(phase.command[start:end]) <= set(KERNEL_BENCHMARKS), phase

@@ -68,8 +68,11 @@ def test_smoke_mode_runs_the_python_parts_on_a_cpu(tmp_path):
         ("matmul", True),
     ]
     assert all(p["error"] <= gpu_probes.TOLERANCE["float32"] for p in probes["probes"])
-    check = json.loads((tmp_path / "gpu_check_cpu.json").read_text())
-    assert [p["phase"] for p in check["phases"]][:2] == ["kernels", "bench"]
+    lines = (tmp_path / "gpu_check_cpu.jsonl").read_text().splitlines()
+    check = [json.loads(line) for line in lines]
+    assert check[0]["budget_s"] == 30  # too little for any phase: each recorded as skipped
+    assert [e["phase"] for e in check[1:3]] == ["w4a16", "decode"]
+    assert {e["status"] for e in check[1:]} == {"skipped: no time left"}
     assert "== gpu_validate: done" in result.stdout
 
 
