@@ -443,6 +443,11 @@ def w4a16_decision_case(bench: Bench, m: int, n: int, k: int, model: str) -> Non
     )
 
 
+MIXED_STEP_MODEL = "Qwen3-0.6B"
+# decode rows, their context, the prefill chunk's length and the prefix before it
+MIXED_STEP_SHAPE = (31, 1024, 512, 512)
+
+
 def bench_mixed_step(bench: Bench, quick: bool) -> None:
     """A forward step of a Qwen3-0.6B-shaped model (random weights, Triton attention) on a
     mixed batch, 31 decode rows at a 1k context beside one 512-token prefill chunk after a
@@ -450,45 +455,62 @@ def bench_mixed_step(bench: Bench, quick: bool) -> None:
     prefill kernels, timed eager (mixed steps are not graphed). Bytes: the weights once;
     FLOPs: 2 per weight per token (attention left out)."""
     from minillm.lab.catalog import get_model_config
-    from minillm.model.attention import AttentionMetadata, split_mixed_batch
     from minillm.model.llama import LlamaForCausalLM
-    from minillm.worker.model_runner import allocate_kv_caches
 
-    config = get_model_config("Qwen3-0.6B")
-    decodes, context, chunk, prefix = 31, 1024, 512, 512
+    config = get_model_config(MIXED_STEP_MODEL)
     with torch.device(DEVICE):
         model = LlamaForCausalLM(config, "triton").to(DTYPE).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embedding = config.vocab_size * config.hidden_size
     num_weights = sum(p.numel() for p in model.parameters()) - embedding
-    blocks_per_seq = math.ceil((context + chunk) / BLOCK_SIZE)
+    for case, (forward, num_tokens) in mixed_step_forwards(model, *MIXED_STEP_SHAPE).items():
+        flops = 2 * num_weights * num_tokens
+        bench.run("mixed step", case, "eager, triton", forward, weight_bytes, flops)
+
+
+def mixed_step_forwards(
+    model, decodes: int, context: int, chunk: int, prefix: int
+) -> dict[str, tuple[Callable[[], torch.Tensor], int]]:
+    """{case: (forward, number of tokens)} for the mixed batch (decode rows 0 .. decodes - 1,
+    then the chunk) and each half alone. A sequence has the same tokens, positions and cache
+    blocks in every batch, so its rows' outputs agree across them."""
+    from minillm.model.attention import AttentionMetadata, split_mixed_batch
+    from minillm.worker.model_runner import allocate_kv_caches
+
+    config = model.config
+    blocks_per_seq = math.ceil((max(context, prefix) + chunk) / BLOCK_SIZE)
     kv_caches = allocate_kv_caches(
         config, (decodes + 1) * blocks_per_seq + 1, BLOCK_SIZE, DTYPE, torch.device(DEVICE)
     )
     tables = torch.arange((decodes + 1) * blocks_per_seq, device=DEVICE).view(decodes + 1, -1)
+    gen = torch.Generator().manual_seed(0)
+    # each sequence's new tokens: (table row, new token ids, context before them)
+    seqs = [
+        (i, torch.randint(0, config.vocab_size, (1,), generator=gen), context)
+        for i in range(decodes)
+    ]
+    seqs.append((decodes, torch.randint(0, config.vocab_size, (chunk,), generator=gen), prefix))
 
-    def step(seqs: list[tuple[int, int]]):
-        """seqs: (new tokens, context before them) per sequence, in table row order."""
-        query_lens = [q for q, _ in seqs]
-        seq_lens = [q + c for q, c in seqs]
+    def step(batch):
+        query_lens = [len(ids) for _, ids, _ in batch]
+        seq_lens = [len(ids) + c for _, ids, c in batch]
         starts = [0]
         for q in query_lens:
             starts.append(starts[-1] + q)
-        positions = torch.cat([torch.arange(c, c + q, device=DEVICE) for q, c in seqs])
-        rows = torch.cat([torch.full((q,), i, device=DEVICE) for i, (q, _) in enumerate(seqs)])
-        row_tables = tables[: len(seqs)]
-        slots = row_tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+        positions = torch.cat([torch.arange(c, c + len(ids)) for _, ids, c in batch]).to(DEVICE)
+        rows = torch.cat([torch.full((len(ids),), i) for i, ids, _ in batch]).to(DEVICE)
+        slots = tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=torch.tensor(starts, device=DEVICE, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, device=DEVICE, dtype=torch.int32),
-            block_tables=row_tables.int(),
+            block_tables=tables[[i for i, _, _ in batch]].int(),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             block_size=BLOCK_SIZE,
             mixed=split_mixed_batch(starts, seq_lens, DEVICE),
         )
-        ids = torch.randint(0, config.vocab_size, (starts[-1],), device=DEVICE)
+        ids = torch.cat([ids for _, ids, _ in batch]).to(DEVICE)
 
         def forward():
             with torch.inference_mode():
@@ -496,17 +518,11 @@ def bench_mixed_step(bench: Bench, quick: bool) -> None:
 
         return forward, starts[-1]
 
-    batches = {
-        f"mixed: {decodes} decodes + {chunk}-token chunk": [(1, context)] * decodes
-        + [(chunk, prefix)],
-        f"decode only: {decodes} decodes": [(1, context)] * decodes,
-        f"prefill only: {chunk}-token chunk": [(chunk, prefix)],
+    return {
+        f"mixed: {decodes} decodes + {chunk}-token chunk": step(seqs),
+        f"decode only: {decodes} decodes": step(seqs[:-1]),
+        f"prefill only: {chunk}-token chunk": step(seqs[-1:]),
     }
-    for case, seqs in batches.items():
-        forward, num_tokens = step(seqs)
-        bench.run(
-            "mixed step", case, "eager, triton", forward, weight_bytes, 2 * num_weights * num_tokens
-        )
 
 
 def bench_decode_step_graphs(quick: bool) -> list[dict]:

@@ -171,3 +171,67 @@ def test_run_checkpoints_after_every_part_and_records_failures(monkeypatch):
     assert len(json.loads(snapshots[0])["measurements"]) == 1  # saved before decode broke
     assert results["errors"] == {"decode": "RuntimeError: out of resources"}
     assert results["spec"] == "H200 SXM" and results["measurements"][0]["kernel"] == "rope"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the step under the interpreter")
+def test_the_mixed_step_splits_the_batch_and_agrees_with_its_halves(monkeypatch):
+    """The mixed-batch benchmark's batches, on a tiny model under the interpreter: the mixed
+    batch really is mixed (decode rows beside a chunk), and each sequence's outputs in it
+    match the same sequence's outputs in the decode-only and prefill-only batches."""
+    from minillm.lab import kernel_bench
+    from minillm.model.config import ModelConfig
+    from minillm.model.llama import LlamaForCausalLM
+
+    monkeypatch.setattr(kernel_bench, "DEVICE", "cpu")
+    monkeypatch.setattr(kernel_bench, "DTYPE", torch.float32)
+    torch.manual_seed(0)
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+    )
+    model = LlamaForCausalLM(config, "triton").eval()
+    forwards = kernel_bench.mixed_step_forwards(model, decodes=3, context=40, chunk=20, prefix=16)
+    (mixed, n_mixed), (decode, n_decode), (prefill, n_prefill) = forwards.values()
+    assert (n_mixed, n_decode, n_prefill) == (23, 3, 20)
+    both = mixed()
+    assert both.shape[0] == 23
+    torch.testing.assert_close(both[:3], decode(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(both[3:], prefill(), atol=1e-5, rtol=1e-5)
+    assert both.abs().max() > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the cases under the interpreter")
+def test_the_w4a16_decision_times_three_implementations_and_compares_them(monkeypatch):
+    from minillm.lab import kernel_bench
+
+    monkeypatch.setattr(kernel_bench, "DEVICE", "cpu")
+    bench = UntimedBench()
+    kernel_bench.w4a16_decision_case(bench, 1, 48, 256, "tiny")
+    kernel_bench.w4a16_decision_case(bench, 16, 48, 256, "tiny")
+    assert [m.impl for m in bench.measurements[:3]] == [
+        "triton w4a16",
+        "triton w4a16 zero points",
+        "torch fp16 matmul",
+    ]
+    # the goal: the fp16 matmul's time over each W4A16 variant's, per shape
+    bench.measurements[2].time_ms = 2.0  # M=1: fp16 twice as slow; M=16 ties (1.0)
+    goals = kernel_bench.evaluate_goals(bench.measurements)
+    speedups = goals["w4a16_speedup_over_fp16_by_shape"]
+    assert speedups["tiny up M=1 N=48 K=256"] == {
+        "triton w4a16": 2.0,
+        "triton w4a16 zero points": 2.0,
+    }
+    assert goals["w4a16_faster_on_every_shape"] is False  # M=16 is a tie
