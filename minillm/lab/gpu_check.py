@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -44,6 +45,20 @@ BENCH_TESTS = [  # the benchmark's own GPU tests: the bench phases run it alread
     "--deselect",
     "tests/kernels/test_benchmark.py::test_run_only_some_kernels",
 ]
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def gpu_test_modules(tests: pathlib.Path = ROOT / "tests") -> list[str]:
+    """The test modules outside tests/kernels that hold GPU-marked tests (collecting only
+    those keeps the book's packages, which a GPU image may lack, out of the run)."""
+    marked = re.compile(r"@pytest\.mark\.gpu\b|pytestmark\s*=.*mark\.gpu")
+    return sorted(
+        str(path.relative_to(tests.parent))
+        for path in tests.rglob("test_*.py")
+        if "kernels" not in path.relative_to(tests).parts[:1] and marked.search(path.read_text())
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +108,14 @@ PHASES = (
         (*PYTEST, "-m", "gpu", "tests/kernels", *BENCH_TESTS, "--junitxml={out}/report.xml"),
     ),
     Phase(
+        "gpu-tests",
+        0.08,
+        "every other GPU-marked test: CUDA graphs, the engine and quantized models on the GPU",
+        (*PYTEST, "-m", "gpu", *gpu_test_modules(), "--junitxml={out}/report.xml"),
+    ),
+    Phase(
         "oracles",
-        0.15,
+        0.10,
         "the kernels' hypothesis oracle tests compiled for the GPU (8 examples each)",
         (
             *PYTEST,

@@ -17,7 +17,8 @@ from minillm.lab import gpu_check
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-NAMES = ["w4a16", "decode", "prefill", "mixed-step", "cuda-graphs", "kernel-tests", "oracles"]
+NAMES = ["w4a16", "decode", "prefill", "mixed-step", "cuda-graphs", "kernel-tests", "gpu-tests"]
+NAMES += ["oracles"]
 
 
 def test_the_script_parses():
@@ -114,7 +115,7 @@ def test_a_crashing_phase_is_recorded_and_the_later_phases_still_run(tmp_path, m
     assert status["decode"] == ("failed", -6)  # SIGABRT, as a CUDA fault ends a process
     assert all(status[n] == ("passed", 0) for n in NAMES if n != "decode")
     # written as each phase ended: before phase i started, i entries were in the file
-    assert [len(text.splitlines()) - 1 for text in seen_before_each_phase] == list(range(7))
+    assert [len(text.splitlines()) - 1 for text in seen_before_each_phase] == list(range(8))
     assert "simulated fault" in (tmp_path / "decode" / "log.txt").read_text()
     assert "measured" in (tmp_path / "prefill" / "log.txt").read_text()
 
@@ -155,3 +156,19 @@ def test_phase_commands_name_real_benchmarks_and_options():
             start = phase.command.index("--only") + 1
             end = phase.command.index("--out")
             assert set(phase.command[start:end]) <= set(KERNEL_BENCHMARKS), phase
+
+
+def test_it_finds_every_module_with_gpu_tests():
+    """The gpu-tests phase collects exactly the modules outside tests/kernels whose tests
+    are marked gpu (a module it missed would never run on a GPU)."""
+    import re
+
+    marked = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").rglob("test_*.py")
+        if not str(path.relative_to(ROOT)).startswith("tests/kernels/")
+        and re.search(r"mark\.gpu\b", path.read_text())
+    )
+    assert marked and gpu_check.gpu_test_modules() == marked
+    phase = next(p for p in gpu_check.PHASES if p.name == "gpu-tests")
+    assert set(marked) <= set(phase.command)
