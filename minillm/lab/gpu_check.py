@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import pathlib
@@ -39,6 +40,9 @@ RESERVE_S = 20  # the start: imports, nvidia-smi, the results file
 MIN_PHASE_S = 20  # a phase given less is skipped: a cold start alone takes that long
 BENCH = [sys.executable, "-m", "minillm.lab.kernel_bench", "--quick", "--no-graphs"]
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
+PYTEST += ["--continue-on-collection-errors"]
+if importlib.util.find_spec("xdist") is not None:  # compiling kernel variants is CPU work
+    PYTEST += ["-n", str(min(8, os.cpu_count() or 1))]
 BENCH_TESTS = [  # the benchmark's own GPU tests: the bench phases run it already
     "--deselect",
     "tests/kernels/test_benchmark.py::test_quick_benchmark_writes_its_results",
