@@ -22,10 +22,13 @@ the quantized ones, 1 or 1/2 byte per weight. int8 codes are converted to x's dt
 instead of an int-to-float conversion per weight, a slow instruction on a GPU: 1024.0 in
 float16 is 0x6400, and its 10 mantissa bits are zero with a unit in the last place of 1,
 so OR-ing u into them gives the bits of 1024 + u. Subtracting 1024 + z (built from z the
-same way) leaves u - z, exactly: one OR and one subtraction per weight. bfloat16 uses
-128.0 = 0x4300, float32 2^23 = 0x4B000000. At batch 1 a matmul reads every weight once and
-does 2 FLOPs per weight: it is bound by memory bandwidth, and moving 4x fewer bytes than
-bfloat16 is the whole point of W4A16 — if the unpacking keeps up.
+same way) leaves u - z, exactly: one OR and one subtraction per weight. float32 uses
+2^23 = 0x4B000000: bfloat16 activations get their weights that way and one conversion
+(Triton computes bfloat16 arithmetic in float32 before Hopper), as does the GEMV below.
+
+At batch 1 a matmul reads every weight once and does 2 FLOPs per weight: it is bound by
+memory bandwidth, and moving 4x fewer bytes than bfloat16 is the whole point of W4A16, if
+the unpacking keeps up.
 
 Tiling: one program per [BLOCK_M, BLOCK_N] output tile walks K in BLOCK_K steps (W4:
 BLOCK_K = group_size), accumulating in float32. At decode-sized M there are too few output
@@ -204,14 +207,12 @@ def _w8a16_kernel(
 def _int4_to_float(nibbles, dtype: tl.constexpr):
     """Integers u in [0, 15] -> MAGIC + u in dtype, exactly, with one OR and no int-to-float
     conversion: MAGIC is a power of two whose unit in the last place is 1 (float16 1024 =
-    0x6400, bfloat16 128 = 0x4300, float32 2^23 = 0x4B000000), so its low mantissa bits
-    are zero and u written into them gives the float MAGIC + u."""
+    0x6400, float32 2^23 = 0x4B000000), so its low mantissa bits are zero and u written
+    into them gives the float MAGIC + u."""
     if dtype == tl.float16:
         return (nibbles.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-    elif dtype == tl.bfloat16:
-        return (nibbles.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
     else:
-        tl.static_assert(dtype == tl.float32, "dtype must be float16, bfloat16 or float32")
+        tl.static_assert(dtype == tl.float32, "dtype must be float16 or float32")
         return (nibbles.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True)
 
 
@@ -277,8 +278,13 @@ def _w4a16_kernel(
         if DOT_FP32:
             x = x.to(tl.float32)
         zeros = _load_zeros(zeros_ptr, group, N, cols, col_mask, BLOCK_N)
-        # [BLOCK_N, GROUP_SIZE] q - z, back in k order, in the dot's dtype
-        w = _dequantize_int4_tile(packed, zeros, x.dtype)
+        # [BLOCK_N, GROUP_SIZE] q - z, back in k order, in the dot's dtype: float16 directly;
+        # bfloat16 by way of float32, since before Hopper Triton computes bfloat16 arithmetic
+        # in float32 (a bfloat16 subtraction costs conversions, and registers at big tiles)
+        if x.dtype == tl.float16:
+            w = _dequantize_int4_tile(packed, zeros, tl.float16)
+        else:
+            w = _dequantize_int4_tile(packed, zeros, tl.float32).to(x.dtype)
         part = tl.dot(x, tl.trans(w), input_precision="ieee")
         # scales are [K / GROUP_SIZE, N]: a group's BLOCK_N scales are contiguous
         scales = tl.load(scales_ptr + group * N + cols, mask=col_mask, other=0.0)
