@@ -30,6 +30,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -157,7 +158,7 @@ def print_plan(budget_s: int) -> None:
     for row in rows:
         budget = f"{row['budget_s']:4d} s" if row["budget_s"] else "skipped (too little time)"
         print(f"  {row['phase']:13s} {budget:>8s}  {row['measures']}")
-    total = RESERVE_S + sum(row["budget_s"] for row in rows)
+    total = min(RESERVE_S, budget_s) + sum(row["budget_s"] for row in rows)
     print(f"total at most {total} s of {budget_s} s")
 
 
@@ -228,12 +229,21 @@ def run_phase(phase: Phase, budget_s: int, out: pathlib.Path) -> dict:
     entry = {"phase": phase.name, "budget_s": budget_s, "command": command}
     start = time.monotonic()
     with (out / "log.txt").open("w") as log:
+        # its own process group: at the deadline the phase's children (pytest's workers)
+        # are stopped with it, and free the GPU for the next phase
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            code = subprocess.run(
-                command, stdout=log, stderr=subprocess.STDOUT, timeout=budget_s
-            ).returncode
+            code = process.wait(timeout=budget_s)
             status = "passed" if code in (0, 5) else "failed"  # 5: pytest selected nothing
         except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
             code, status = None, "timeout"
     entry |= {"status": status, "exit_code": code, "seconds": round(time.monotonic() - start, 1)}
     return entry
