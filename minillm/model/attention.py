@@ -36,6 +36,10 @@ class AttentionMetadata:
     # a mixed batch (decode tokens beside prefill chunks): which rows are which, built on the
     # host with the rest of the metadata (`split_mixed_batch`); None otherwise
     mixed: MixedBatchSplit | None = None
+    # the torch backend's view of the batch, the same in every layer: built once per step
+    # (`plan_torch_attention`); when None, the torch backend's first layer derives it from the
+    # tensors above and stores it here for the others
+    torch_plan: TorchAttentionPlan | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -90,6 +94,63 @@ def split_mixed_batch(
     )
 
 
+@dataclass(slots=True)
+class TorchAttentionPlan:
+    """Which rows of a flat batch the torch backend attends how, and what their decode
+    attention reads: everything that depends on the batch but not on the layer, so that it is
+    built once per step instead of once per layer.
+
+    Decode rows (one new token) are attended together by `paged_decode_attention`; each prefill
+    chunk (several new tokens) alone by `prefill_attention`.
+    """
+
+    decode_rows: torch.Tensor  # [num_decodes] int64: the decode tokens' rows in the flat batch
+    # [num_decodes, max_seq_len] int64: the cache slot of every position they read; padding
+    # positions repeat the sequence's last slot, so every gathered value is one it wrote
+    decode_slots: torch.Tensor
+    decode_valid: torch.Tensor  # [num_decodes, max_seq_len] bool: position < seq_len
+    all_decode: bool  # every row is a decode row, in batch order: no gather of q, no scatter
+    prefills: list[tuple[int, int, int, int]]  # (seq index, first row, end row, seq_len)
+
+
+def plan_torch_attention(
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str,
+) -> TorchAttentionPlan:
+    """The torch backend's plan of a batch, from the host's lists (block_tables padded to one
+    length)."""
+    decodes = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+    prefills = [
+        (i, query_start_loc[i], query_start_loc[i + 1], seq_lens[i])
+        for i in range(len(seq_lens))
+        if query_start_loc[i + 1] - query_start_loc[i] > 1
+    ]
+    max_seq_len = max((seq_lens[i] for i in decodes), default=0)
+    decode_lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64, device=device)
+    decode_tables = torch.tensor(
+        [block_tables[i] for i in decodes], dtype=torch.int64, device=device
+    )
+    positions = torch.arange(max_seq_len, device=device)
+    clamped = torch.minimum(positions[None, :], decode_lens[:, None] - 1)
+    num_table_blocks = len(block_tables[0]) if block_tables else 0
+    decode_slots = decode_tables.view(len(decodes), num_table_blocks).gather(
+        1, clamped // block_size
+    )
+    decode_slots = decode_slots * block_size + clamped % block_size
+    return TorchAttentionPlan(
+        decode_rows=torch.tensor(
+            [query_start_loc[i] for i in decodes], dtype=torch.int64, device=device
+        ),
+        decode_slots=decode_slots,
+        decode_valid=positions[None, :] < decode_lens[:, None],
+        all_decode=not prefills,
+        prefills=prefills,
+    )
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -133,30 +194,36 @@ def torch_paged_attention(
     sequences with several new tokens (prefill chunks) one at a time. An FP8 cache is read
     back as codes * k_scale (keys) and codes * v_scale (values).
     """
-    out = torch.empty_like(q)
-    q_lens = meta.query_start_loc.diff()
-    decode_seqs = (q_lens == 1).nonzero().flatten()
-    if decode_seqs.numel() > 0:
-        rows = meta.query_start_loc[decode_seqs].long()  # the one query token of each
-        out[rows] = paged_decode_attention(
-            q[rows],
-            kv_cache_layer,
-            meta.block_tables[decode_seqs],
-            meta.seq_lens[decode_seqs],
+    plan = meta.torch_plan
+    if plan is None:  # metadata built without the plan: derive it once, for every layer
+        plan = meta.torch_plan = plan_torch_attention(
+            meta.query_start_loc.tolist(),
+            meta.seq_lens.tolist(),
+            meta.block_tables.tolist(),
             meta.block_size,
+            q.device,
+        )
+    if plan.all_decode:
+        return paged_decode_attention(
+            q, kv_cache_layer, plan.decode_slots, plan.decode_valid, scale, k_scale, v_scale
+        )
+    out = torch.empty_like(q)
+    if plan.decode_rows.numel() > 0:
+        out[plan.decode_rows] = paged_decode_attention(
+            q[plan.decode_rows],
+            kv_cache_layer,
+            plan.decode_slots,
+            plan.decode_valid,
             scale,
             k_scale,
             v_scale,
         )
-    query_start_loc = meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens.tolist()
-    for i in (q_lens > 1).nonzero().flatten().tolist():
-        start, end = query_start_loc[i], query_start_loc[i + 1]
+    for i, start, end, seq_len in plan.prefills:
         out[start:end] = prefill_attention(
             q[start:end],
             kv_cache_layer,
             meta.block_tables[i],
-            seq_lens[i],
+            seq_len,
             meta.block_size,
             scale,
             k_scale,
@@ -201,33 +268,28 @@ def prefill_attention(
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache_layer: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query per sequence over its whole context, for all sequences at once.
 
-    q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_num_blocks];
-    seq_lens: [num_seqs] -> [num_seqs, num_heads, head_dim]. The contexts are gathered into
-    one padded [num_seqs, max_seq_len] batch and attended with a padding mask, in float32.
+    q: [num_seqs, num_heads, head_dim]; slots: [num_seqs, max_seq_len], the cache slot of each
+    position; valid: [num_seqs, max_seq_len] bool, position < seq_len ->
+    [num_seqs, num_heads, head_dim]. The contexts are gathered into one padded batch and
+    attended with a padding mask, in float32.
     """
-    num_kv_heads, head_dim = kv_cache_layer.shape[3:]
-    seq_lens = seq_lens.long()
-    positions = torch.arange(int(seq_lens.max()), device=q.device)
-    # Padding positions repeat the sequence's last token, so every gathered value is one the
-    # sequence wrote (an unwritten slot may hold anything, even NaN); the mask hides them.
-    clamped = torch.minimum(positions[None, :], seq_lens[:, None] - 1)
-    # slot of every (sequence, position) through the block table: [num_seqs, max_seq_len]
-    blocks = block_tables.long().gather(1, clamped // block_size)
-    slots = blocks * block_size + clamped % block_size
     k = read_kv(gather_slots(kv_cache_layer[0], slots), k_scale).transpose(1, 2)
     v = read_kv(gather_slots(kv_cache_layer[1], slots), v_scale).transpose(1, 2)
-    valid = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :].float(), k, v, attn_mask=valid, scale=scale, enable_gqa=True
+        q[:, :, None, :].float(),
+        k,
+        v,
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
     )
     return out[:, :, 0, :].to(q.dtype)
 
