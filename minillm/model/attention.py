@@ -105,10 +105,12 @@ class TorchAttentionPlan:
     """
 
     decode_rows: torch.Tensor  # [num_decodes] int64: the decode tokens' rows in the flat batch
-    # [num_decodes, max_seq_len] int64: the cache slot of every position they read; padding
-    # positions repeat the sequence's last slot, so every gathered value is one it wrote
-    decode_slots: torch.Tensor
-    decode_valid: torch.Tensor  # [num_decodes, max_seq_len] bool: position < seq_len
+    decode_block_tables: torch.Tensor  # [num_decodes, num_blocks] int64: the blocks they read
+    # [num_padding] int64: the gathered rows (sequence * num_blocks * block_size + position)
+    # past each sequence's end, and the additive mask that hides them: [num_decodes, 1, 1,
+    # num_blocks * block_size] float32, 0 or -inf
+    decode_padding_rows: torch.Tensor
+    decode_mask: torch.Tensor
     all_decode: bool  # every row is a decode row, in batch order: no gather of q, no scatter
     prefills: list[tuple[int, int, int, int]]  # (seq index, first row, end row, seq_len)
 
@@ -121,7 +123,8 @@ def plan_torch_attention(
     device: torch.device | str,
 ) -> TorchAttentionPlan:
     """The torch backend's plan of a batch, from the host's lists (block_tables padded to one
-    length)."""
+    length): the decode sequences read the first ceil(max_seq_len / block_size) entries of
+    their block tables, whole blocks at a time."""
     decodes = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
     prefills = [
         (i, query_start_loc[i], query_start_loc[i + 1], seq_lens[i])
@@ -129,23 +132,20 @@ def plan_torch_attention(
         if query_start_loc[i + 1] - query_start_loc[i] > 1
     ]
     max_seq_len = max((seq_lens[i] for i in decodes), default=0)
+    num_blocks = -(-max_seq_len // block_size)
     decode_lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64, device=device)
-    decode_tables = torch.tensor(
-        [block_tables[i] for i in decodes], dtype=torch.int64, device=device
-    )
-    positions = torch.arange(max_seq_len, device=device)
-    clamped = torch.minimum(positions[None, :], decode_lens[:, None] - 1)
-    num_table_blocks = len(block_tables[0]) if block_tables else 0
-    decode_slots = decode_tables.view(len(decodes), num_table_blocks).gather(
-        1, clamped // block_size
-    )
-    decode_slots = decode_slots * block_size + clamped % block_size
+    padding = torch.arange(num_blocks * block_size, device=device)[None, :] >= decode_lens[:, None]
     return TorchAttentionPlan(
         decode_rows=torch.tensor(
             [query_start_loc[i] for i in decodes], dtype=torch.int64, device=device
         ),
-        decode_slots=decode_slots,
-        decode_valid=positions[None, :] < decode_lens[:, None],
+        decode_block_tables=torch.tensor(
+            [block_tables[i][:num_blocks] for i in decodes], dtype=torch.int64, device=device
+        ).view(len(decodes), num_blocks),
+        decode_padding_rows=padding.flatten().nonzero().flatten(),
+        decode_mask=torch.zeros(padding.shape, device=device)
+        .masked_fill(padding, float("-inf"))
+        .view(len(decodes), 1, 1, num_blocks * block_size),
         all_decode=not prefills,
         prefills=prefills,
     )
@@ -204,16 +204,13 @@ def torch_paged_attention(
             q.device,
         )
     if plan.all_decode:
-        return paged_decode_attention(
-            q, kv_cache_layer, plan.decode_slots, plan.decode_valid, scale, k_scale, v_scale
-        )
+        return paged_decode_attention(q, kv_cache_layer, plan, scale, k_scale, v_scale)
     out = torch.empty_like(q)
     if plan.decode_rows.numel() > 0:
         out[plan.decode_rows] = paged_decode_attention(
             q[plan.decode_rows],
             kv_cache_layer,
-            plan.decode_slots,
-            plan.decode_valid,
+            plan,
             scale,
             k_scale,
             v_scale,
@@ -268,30 +265,35 @@ def prefill_attention(
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache_layer: torch.Tensor,
-    slots: torch.Tensor,
-    valid: torch.Tensor,
+    plan: TorchAttentionPlan,
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query per sequence over its whole context, for all sequences at once.
 
-    q: [num_seqs, num_heads, head_dim]; slots: [num_seqs, max_seq_len], the cache slot of each
-    position; valid: [num_seqs, max_seq_len] bool, position < seq_len ->
-    [num_seqs, num_heads, head_dim]. The contexts are gathered into one padded batch and
-    attended with a padding mask, in float32.
+    q: [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]; the plan names
+    each sequence's blocks (`decode_block_tables`) and its padding. The contexts are gathered
+    whole blocks at a time (one index per block_size tokens, keys and values together) into
+    one padded batch and attended with a padding mask, in float32. With grouped-query
+    attention the query heads that share a KV head become the rows of one query matrix, so
+    keys and values are never repeated.
     """
-    k = read_kv(gather_slots(kv_cache_layer[0], slots), k_scale).transpose(1, 2)
-    v = read_kv(gather_slots(kv_cache_layer[1], slots), v_scale).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :].float(),
-        k,
-        v,
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out[:, :, 0, :].to(q.dtype)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache_layer.shape[3]
+    cache = kv_cache_layer.view(torch.uint8) if is_fp8(kv_cache_layer) else kv_cache_layer
+    # [2, num_seqs * num_blocks, block_size * kv_heads * d]: a fresh copy, ours to change
+    blocks = cache.flatten(2).index_select(1, plan.decode_block_tables.flatten())
+    # past a sequence's end a slot may hold anything, even NaN (never written): zero it, as
+    # the mask alone would let NaN * 0 through
+    blocks.view(2, -1, num_kv_heads * head_dim).index_fill_(1, plan.decode_padding_rows, 0)
+    kv = blocks.view(kv_cache_layer.dtype).view(2, num_seqs, -1, num_kv_heads, head_dim)
+    k = read_kv(kv[0], k_scale).transpose(1, 2)  # [num_seqs, kv_heads, positions, d]
+    v = read_kv(kv[1], v_scale).transpose(1, 2)
+    # [num_seqs, kv_heads, group, d]: query head h reads KV head h // group
+    q_rows = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    out = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=plan.decode_mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
