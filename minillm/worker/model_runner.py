@@ -215,7 +215,8 @@ class ModelRunner:
             )
             for seq in seqs
         ]
-        output = self.sampler(logits[row_of_seq], states)
+        one_to_one = row_of_seq == list(range(len(rows)))  # no forks: no copy of the logits
+        output = self.sampler(logits if one_to_one else logits[row_of_seq], states)
         return {
             seq.request_id: SampledToken(output.token_ids[i], sampled_logprobs(output, i, seq))
             for i, seq in enumerate(seqs)
