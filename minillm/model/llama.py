@@ -153,6 +153,7 @@ class LlamaAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.backend = get_attention_backend(backend_name)
         self.fused_qkv: FusedLinear | None = None  # set by `fuse_projections`
+        self.use_kernels = use_kernels
 
     def forward(
         self,
@@ -164,6 +165,8 @@ class LlamaAttention(nn.Module):
         """x: [num_tokens, hidden] with a cache, or [batch, seq, hidden] without (meta None)."""
         lead = x.shape[:-1]
         qkv = None if self.fused_qkv is None else self.fused_qkv(x)
+        if qkv is not None and self.use_kernels:  # the Triton kernels take contiguous rows
+            qkv = [t.contiguous() for t in qkv]
         q, k, v = qkv or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
