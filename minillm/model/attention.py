@@ -106,10 +106,10 @@ class TorchAttentionPlan:
 
     decode_rows: torch.Tensor  # [num_decodes] int64: the decode tokens' rows in the flat batch
     decode_block_tables: torch.Tensor  # [num_decodes, num_blocks] int64: the blocks they read
-    # [num_padding] int64: the gathered rows (sequence * num_blocks * block_size + position)
-    # past each sequence's end, and the additive mask that hides them: [num_decodes, 1, 1,
-    # num_blocks * block_size] float32, 0 or -inf
-    decode_padding_rows: torch.Tensor
+    # [num_unwritten] int64: the gathered rows (sequence * num_blocks * block_size + position)
+    # the sequence never wrote, and the additive mask that hides every position past its end:
+    # [num_decodes, 1, 1, num_blocks * block_size] float32, 0 or -inf
+    decode_unwritten_rows: torch.Tensor
     decode_mask: torch.Tensor
     all_decode: bool  # every row is a decode row, in batch order: no gather of q, no scatter
     prefills: list[tuple[int, int, int, int]]  # (seq index, first row, end row, seq_len)
@@ -134,15 +134,26 @@ def plan_torch_attention(
     max_seq_len = max((seq_lens[i] for i in decodes), default=0)
     num_blocks = -(-max_seq_len // block_size)
     decode_lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64, device=device)
-    padding = torch.arange(num_blocks * block_size, device=device)[None, :] >= decode_lens[:, None]
+    tables = torch.tensor(
+        [block_tables[i][:num_blocks] for i in decodes], dtype=torch.int64, device=device
+    ).view(len(decodes), num_blocks)
+    # a table entry past the sequence's own blocks repeats its first block, which it wrote
+    # (all of it, unless the sequence is shorter than a block): so the only gathered slots it
+    # never wrote are the tail of its last block, and those of its first when that is short
+    own_blocks = -(-decode_lens // block_size)
+    own = torch.arange(num_blocks, device=device)[None, :] < own_blocks[:, None]
+    tables = torch.where(own, tables, tables[:, :1])
+    positions = torch.arange(num_blocks * block_size, device=device)[None, :]
+    padding = positions >= decode_lens[:, None]
+    own_position = own.repeat_interleave(block_size, dim=1)
+    offset_written = positions % block_size < decode_lens[:, None]
+    unwritten = padding & (own_position | ~offset_written)
     return TorchAttentionPlan(
         decode_rows=torch.tensor(
             [query_start_loc[i] for i in decodes], dtype=torch.int64, device=device
         ),
-        decode_block_tables=torch.tensor(
-            [block_tables[i][:num_blocks] for i in decodes], dtype=torch.int64, device=device
-        ).view(len(decodes), num_blocks),
-        decode_padding_rows=padding.flatten().nonzero().flatten(),
+        decode_block_tables=tables,
+        decode_unwritten_rows=unwritten.flatten().nonzero().flatten(),
         decode_mask=torch.zeros(padding.shape, device=device)
         .masked_fill(padding, float("-inf"))
         .view(len(decodes), 1, 1, num_blocks * block_size),
@@ -284,9 +295,9 @@ def paged_decode_attention(
     cache = kv_cache_layer.view(torch.uint8) if is_fp8(kv_cache_layer) else kv_cache_layer
     # [2, num_seqs * num_blocks, block_size * kv_heads * d]: a fresh copy, ours to change
     blocks = cache.flatten(2).index_select(1, plan.decode_block_tables.flatten())
-    # past a sequence's end a slot may hold anything, even NaN (never written): zero it, as
-    # the mask alone would let NaN * 0 through
-    blocks.view(2, -1, num_kv_heads * head_dim).index_fill_(1, plan.decode_padding_rows, 0)
+    # a slot the sequence never wrote may hold anything, even NaN: zero it, as the mask
+    # alone would let NaN * 0 through
+    blocks.view(2, -1, num_kv_heads * head_dim).index_fill_(1, plan.decode_unwritten_rows, 0)
     kv = blocks.view(kv_cache_layer.dtype).view(2, num_seqs, -1, num_kv_heads, head_dim)
     k = read_kv(kv[0], k_scale).transpose(1, 2)  # [num_seqs, kv_heads, positions, d]
     v = read_kv(kv[1], v_scale).transpose(1, 2)
