@@ -14,7 +14,16 @@ The same model and the same requests go through three systems on the same machin
 Each request asks for a fixed number of output tokens (EOS ignored), so the three systems do
 the same useful work: throughput counts only the requested tokens, never the padding or the
 steps a static batch keeps running for its longest member. Speed is measured, not asserted:
-the command prints tokens/s for each system and the ratios between them.
+the command prints tokens/s for each system and the ratios between them. The two batched
+systems run `--repeats` rounds, interleaved (A B, then B A, ...), and the table shows the
+median and the range; one-at-a-time runs once.
+
+Beside the ratios it prints where the time of a continuous-batching step goes (attention,
+linear layers, the rest of the model, outside the model), the Python overhead of a full
+decode step, and the FLOP/s achieved against the fp32 GEMM peak measured in the same run
+(`minillm.lab.step_breakdown`): the MFU of the run. That breakdown comes from one more run
+with every part timed, so its wrappers (about a microsecond per call) never touch the
+timed rounds.
 """
 
 from __future__ import annotations
@@ -164,8 +173,7 @@ def bench_offline(args: argparse.Namespace) -> dict:
     )
     warmup = Workload(workload.prompts[:2], [4, 4])
     run_minillm(llm, warmup, one_at_a_time=False)
-    results = [run_minillm(llm, workload, one_at_a_time=False)]
-    results.append(run_minillm(llm, workload, one_at_a_time=True))
+    hf_model = None
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
@@ -175,22 +183,40 @@ def bench_offline(args: argparse.Namespace) -> dict:
         hf_model.eval()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         run_transformers(hf_model, pad_id, warmup, args.batch_size)
-        results.append(run_transformers(hf_model, pad_id, workload, args.batch_size))
+    # rounds interleaved (A B, B A, ...), so that load from other work hits both systems
+    rounds: list[list[BenchResult]] = []
+    for i in range(args.repeats):
+        runs = [lambda: run_minillm(llm, workload, one_at_a_time=False)]
+        if hf_model is not None:
+            runs.append(lambda: run_transformers(hf_model, pad_id, workload, args.batch_size))
+        order = list(range(len(runs))) if i % 2 == 0 else list(reversed(range(len(runs))))
+        done = {j: runs[j]() for j in order}
+        rounds.append([done[j] for j in range(len(runs))])
+    results = [median_result([r[j] for r in rounds]) for j in range(len(rounds[0]))]
+    if not args.skip_one_at_a_time:  # the slowest by far: once
+        results.insert(1, run_minillm(llm, workload, one_at_a_time=True))
+    steps = measure_breakdown(llm, workload, args.max_num_seqs)
 
     baseline = results[0].output_tokens_per_s
     print(
         f"{len(workload.prompts)} requests, {workload.num_prompt_tokens} prompt tokens, "
         f"{workload.num_output_tokens} output tokens; model {model_path.name}, "
-        f"{args.dtype}, {torch.get_num_threads()} threads"
+        f"{args.dtype}, {torch.get_num_threads()} threads; median of {args.repeats} "
+        "interleaved rounds"
     )
-    print(f"{'system':<46} {'time (s)':>9} {'out tok/s':>10} {'total tok/s':>12} {'CB / this':>10}")
+    header = f"{'system':<46} {'time (s)':>9} {'min-max (s)':>13} {'out tok/s':>10}"
+    print(f"{header} {'CB / this':>10}")
     for r in results:
+        times = [x.elapsed_s for row in rounds for x in row if x.system == r.system]
+        spread = f"{min(times):.2f}-{max(times):.2f}" if times else "-"
         print(
-            f"{r.system:<46} {r.elapsed_s:9.2f} {r.output_tokens_per_s:10.1f} "
-            f"{r.total_tokens_per_s:12.1f} {baseline / r.output_tokens_per_s:9.2f}x"
+            f"{r.system:<46} {r.elapsed_s:9.2f} {spread:>13} {r.output_tokens_per_s:10.1f} "
+            f"{baseline / r.output_tokens_per_s:9.2f}x"
         )
+    print_breakdown(steps)
     return {
         **machine_record(),
+        "load_average": list(os.getloadavg()),
         "model": str(args.model or DEFAULT_MODEL),
         "dtype": args.dtype,
         "workload": {
@@ -201,16 +227,98 @@ def bench_offline(args: argparse.Namespace) -> dict:
             "num_prompt_tokens": workload.num_prompt_tokens,
             "num_output_tokens": workload.num_output_tokens,
         },
+        "repeats": args.repeats,
         "results": [
             {
                 **asdict(r),
                 "output_tokens_per_s": r.output_tokens_per_s,
                 "total_tokens_per_s": r.total_tokens_per_s,
+                "elapsed_s_rounds": [
+                    x.elapsed_s for row in rounds for x in row if x.system == r.system
+                ],
             }
             for r in results
         ],
         "speedup_vs": {r.system: baseline / r.output_tokens_per_s for r in results[1:]},
+        # each round's own ratio: the spread of the speed-up under the machine's load
+        "speedup_vs_rounds": {
+            rounds[0][j].system: [row[j].elapsed_s / row[0].elapsed_s for row in rounds]
+            for j in range(1, len(rounds[0]))
+        },
+        "breakdown": steps,
     }
+
+
+def median_result(runs: list[BenchResult]) -> BenchResult:
+    """The run of median time (the lower median for an even count)."""
+    return sorted(runs, key=lambda r: r.elapsed_s)[(len(runs) - 1) // 2]
+
+
+def measure_breakdown(llm, workload: Workload, max_num_seqs: int) -> dict:
+    """One more continuous-batching run with every step timed by parts (`StepRecorder`), the
+    fp32 GEMM peak measured now, and the Python overhead of a full decode step."""
+    from minillm.lab.step_breakdown import (
+        StepRecorder,
+        breakdown,
+        measure_gemm_peak,
+        python_overhead_share,
+    )
+
+    engine = llm.engine
+    recorder = StepRecorder(engine).install()
+    try:
+        run_minillm(llm, workload, one_at_a_time=False)
+    finally:
+        recorder.uninstall()
+    peak = measure_gemm_peak()
+    batch = min(len(workload.prompts), max_num_seqs)
+    overhead = python_overhead_share(engine, workload.prompts[:batch])
+    full_decode = [s for s in recorder.steps if s.decode_only and s.num_seqs == batch]
+    record = {
+        "gemm_peak_flops_per_s": peak,
+        "decode_batch": batch,
+        "python_overhead_share": overhead,
+    }
+    for name, steps in (("all_steps", recorder.steps), ("full_decode_steps", full_decode)):
+        b = breakdown(steps)
+        record[name] = {
+            "num_steps": b.num_steps,
+            "step_s": b.step_s,
+            "shares": b.shares,
+            "flops": b.flops,
+            "flops_per_s": b.flops_per_s,
+            "mfu": b.flops_per_s / peak,
+        }
+    return record
+
+
+def print_breakdown(record: dict) -> None:
+    from minillm.lab.step_breakdown import PARTS
+
+    peak = record["gemm_peak_flops_per_s"]
+    print(f"\nwhere a step's time goes (fp32 GEMM peak measured now: {peak / 1e9:.1f} GFLOP/s)")
+    names = {
+        "all_steps": "all steps",
+        "full_decode_steps": f"decode, {record['decode_batch']} seqs",
+    }
+    print(
+        f"{'steps':<20} {'n':>5} {'ms/step':>8} "
+        + " ".join(f"{p:>17}" for p in PARTS)
+        + f" {'GFLOP/s':>8} {'MFU':>6}"
+    )
+    for key, label in names.items():
+        b = record[key]
+        if not b["num_steps"]:
+            continue
+        shares = " ".join(f"{b['shares'][p]:17.1%}" for p in PARTS)
+        print(
+            f"{label:<20} {b['num_steps']:5d} {b['step_s'] / b['num_steps'] * 1e3:8.2f} {shares}"
+            f" {b['flops_per_s'] / 1e9:8.1f} {b['mfu']:6.1%}"
+        )
+    print(
+        f"Python and dispatch (outside every aten op) in a decode step of "
+        f"{record['decode_batch']} sequences: {record['python_overhead_share']:.1%}"
+    )
 
 
 def scheduler_step_s(num_seqs: int, prompt_len: int, output_len: int) -> tuple[float, int]:
@@ -336,6 +444,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--threads", type=int, default=0, help="torch threads (0: torch's default)"
     )
     offline.add_argument("--skip-transformers", action="store_true")
+    offline.add_argument("--skip-one-at-a-time", action="store_true")
+    offline.add_argument(
+        "--repeats", type=int, default=3, help="interleaved rounds of the batched systems"
+    )
     offline.add_argument("--json", default=None, help="write the results to this JSON file")
     offline.set_defaults(func=_run_offline)
     scheduler = kinds.add_parser(

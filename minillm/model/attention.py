@@ -36,6 +36,10 @@ class AttentionMetadata:
     # a mixed batch (decode tokens beside prefill chunks): which rows are which, built on the
     # host with the rest of the metadata (`split_mixed_batch`); None otherwise
     mixed: MixedBatchSplit | None = None
+    # the torch backend's view of the batch, the same in every layer: built once per step
+    # (`plan_torch_attention`); when None, the torch backend's first layer derives it from the
+    # tensors above and stores it here for the others
+    torch_plan: TorchAttentionPlan | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -90,6 +94,74 @@ def split_mixed_batch(
     )
 
 
+@dataclass(slots=True)
+class TorchAttentionPlan:
+    """Which rows of a flat batch the torch backend attends how, and what their decode
+    attention reads: everything that depends on the batch but not on the layer, so that it is
+    built once per step instead of once per layer.
+
+    Decode rows (one new token) are attended together by `paged_decode_attention`; each prefill
+    chunk (several new tokens) alone by `prefill_attention`.
+    """
+
+    decode_rows: torch.Tensor  # [num_decodes] int64: the decode tokens' rows in the flat batch
+    decode_block_tables: torch.Tensor  # [num_decodes, num_blocks] int64: the blocks they read
+    # [num_unwritten] int64: the gathered rows (sequence * num_blocks * block_size + position)
+    # the sequence never wrote, and the additive mask that hides every position past its end:
+    # [num_decodes, 1, 1, num_blocks * block_size] float32, 0 or -inf
+    decode_unwritten_rows: torch.Tensor
+    decode_mask: torch.Tensor
+    all_decode: bool  # every row is a decode row, in batch order: no gather of q, no scatter
+    prefills: list[tuple[int, int, int, int]]  # (seq index, first row, end row, seq_len)
+
+
+def plan_torch_attention(
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str,
+) -> TorchAttentionPlan:
+    """The torch backend's plan of a batch, from the host's lists (block_tables padded to one
+    length): the decode sequences read the first ceil(max_seq_len / block_size) entries of
+    their block tables, whole blocks at a time."""
+    decodes = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+    prefills = [
+        (i, query_start_loc[i], query_start_loc[i + 1], seq_lens[i])
+        for i in range(len(seq_lens))
+        if query_start_loc[i + 1] - query_start_loc[i] > 1
+    ]
+    max_seq_len = max((seq_lens[i] for i in decodes), default=0)
+    num_blocks = -(-max_seq_len // block_size)
+    decode_lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64, device=device)
+    tables = torch.tensor(
+        [block_tables[i][:num_blocks] for i in decodes], dtype=torch.int64, device=device
+    ).view(len(decodes), num_blocks)
+    # a table entry past the sequence's own blocks repeats its first block, which it wrote
+    # (all of it, unless the sequence is shorter than a block): so the only gathered slots it
+    # never wrote are the tail of its last block, and those of its first when that is short
+    own_blocks = -(-decode_lens // block_size)
+    own = torch.arange(num_blocks, device=device)[None, :] < own_blocks[:, None]
+    tables = torch.where(own, tables, tables[:, :1])
+    positions = torch.arange(num_blocks * block_size, device=device)[None, :]
+    padding = positions >= decode_lens[:, None]
+    own_position = own.repeat_interleave(block_size, dim=1)
+    offset_written = positions % block_size < decode_lens[:, None]
+    unwritten = padding & (own_position | ~offset_written)
+    return TorchAttentionPlan(
+        decode_rows=torch.tensor(
+            [query_start_loc[i] for i in decodes], dtype=torch.int64, device=device
+        ),
+        decode_block_tables=tables,
+        decode_unwritten_rows=unwritten.flatten().nonzero().flatten(),
+        decode_mask=torch.zeros(padding.shape, device=device)
+        .masked_fill(padding, float("-inf"))
+        .view(len(decodes), 1, 1, num_blocks * block_size),
+        all_decode=not prefills,
+        prefills=prefills,
+    )
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -133,30 +205,33 @@ def torch_paged_attention(
     sequences with several new tokens (prefill chunks) one at a time. An FP8 cache is read
     back as codes * k_scale (keys) and codes * v_scale (values).
     """
-    out = torch.empty_like(q)
-    q_lens = meta.query_start_loc.diff()
-    decode_seqs = (q_lens == 1).nonzero().flatten()
-    if decode_seqs.numel() > 0:
-        rows = meta.query_start_loc[decode_seqs].long()  # the one query token of each
-        out[rows] = paged_decode_attention(
-            q[rows],
-            kv_cache_layer,
-            meta.block_tables[decode_seqs],
-            meta.seq_lens[decode_seqs],
+    plan = meta.torch_plan
+    if plan is None:  # metadata built without the plan: derive it once, for every layer
+        plan = meta.torch_plan = plan_torch_attention(
+            meta.query_start_loc.tolist(),
+            meta.seq_lens.tolist(),
+            meta.block_tables.tolist(),
             meta.block_size,
+            q.device,
+        )
+    if plan.all_decode:
+        return paged_decode_attention(q, kv_cache_layer, plan, scale, k_scale, v_scale)
+    out = torch.empty_like(q)
+    if plan.decode_rows.numel() > 0:
+        out[plan.decode_rows] = paged_decode_attention(
+            q[plan.decode_rows],
+            kv_cache_layer,
+            plan,
             scale,
             k_scale,
             v_scale,
         )
-    query_start_loc = meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens.tolist()
-    for i in (q_lens > 1).nonzero().flatten().tolist():
-        start, end = query_start_loc[i], query_start_loc[i + 1]
+    for i, start, end, seq_len in plan.prefills:
         out[start:end] = prefill_attention(
             q[start:end],
             kv_cache_layer,
             meta.block_tables[i],
-            seq_lens[i],
+            seq_len,
             meta.block_size,
             scale,
             k_scale,
@@ -201,35 +276,35 @@ def prefill_attention(
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache_layer: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
+    plan: TorchAttentionPlan,
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query per sequence over its whole context, for all sequences at once.
 
-    q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_num_blocks];
-    seq_lens: [num_seqs] -> [num_seqs, num_heads, head_dim]. The contexts are gathered into
-    one padded [num_seqs, max_seq_len] batch and attended with a padding mask, in float32.
+    q: [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim]; the plan names
+    each sequence's blocks (`decode_block_tables`) and its padding. The contexts are gathered
+    whole blocks at a time (one index per block_size tokens, keys and values together) into
+    one padded batch and attended with a padding mask, in float32. With grouped-query
+    attention the query heads that share a KV head become the rows of one query matrix, so
+    keys and values are never repeated.
     """
-    num_kv_heads, head_dim = kv_cache_layer.shape[3:]
-    seq_lens = seq_lens.long()
-    positions = torch.arange(int(seq_lens.max()), device=q.device)
-    # Padding positions repeat the sequence's last token, so every gathered value is one the
-    # sequence wrote (an unwritten slot may hold anything, even NaN); the mask hides them.
-    clamped = torch.minimum(positions[None, :], seq_lens[:, None] - 1)
-    # slot of every (sequence, position) through the block table: [num_seqs, max_seq_len]
-    blocks = block_tables.long().gather(1, clamped // block_size)
-    slots = blocks * block_size + clamped % block_size
-    k = read_kv(gather_slots(kv_cache_layer[0], slots), k_scale).transpose(1, 2)
-    v = read_kv(gather_slots(kv_cache_layer[1], slots), v_scale).transpose(1, 2)
-    valid = (positions[None, :] < seq_lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :].float(), k, v, attn_mask=valid, scale=scale, enable_gqa=True
-    )
-    return out[:, :, 0, :].to(q.dtype)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache_layer.shape[3]
+    cache = kv_cache_layer.view(torch.uint8) if is_fp8(kv_cache_layer) else kv_cache_layer
+    # [2, num_seqs * num_blocks, block_size * kv_heads * d]: a fresh copy, ours to change
+    blocks = cache.flatten(2).index_select(1, plan.decode_block_tables.flatten())
+    # a slot the sequence never wrote may hold anything, even NaN: zero it, as the mask
+    # alone would let NaN * 0 through
+    blocks.view(2, -1, num_kv_heads * head_dim).index_fill_(1, plan.decode_unwritten_rows, 0)
+    kv = blocks.view(kv_cache_layer.dtype).view(2, num_seqs, -1, num_kv_heads, head_dim)
+    k = read_kv(kv[0], k_scale).transpose(1, 2)  # [num_seqs, kv_heads, positions, d]
+    v = read_kv(kv[1], v_scale).transpose(1, 2)
+    # [num_seqs, kv_heads, group, d]: query head h reads KV head h // group
+    q_rows = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    out = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=plan.decode_mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

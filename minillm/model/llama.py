@@ -59,9 +59,73 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             return self(x), x
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one fused call, the same arithmetic as below when nothing needs casting
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+class FusedLinear:
+    """Linear layers of one module (`owner`, by attribute name) on one input, computed by one
+    GEMM: their weights (and biases) are views into one concatenated matrix, as vLLM's
+    QKVParallelLinear and MergedColumnParallelLinear hold q/k/v and gate/up.
+
+    The layers stay what they were (same names, same Parameters, now views), so loading,
+    saving, LoRA, quantization and tensor parallelism see ordinary `nn.Linear` modules. The
+    fused GEMM runs only while it computes exactly what the layers would: every layer still a
+    plain hook-free `nn.Linear` whose tensors are the views made here (a replaced module, a
+    LoRA hook, a reassigned or moved weight all fall back to one GEMM per layer), and no
+    gradient is wanted (autograd would not reach the layers' own Parameters).
+    """
+
+    def __init__(self, owner: nn.Module, names: list[str]) -> None:
+        linears = [getattr(owner, name) for name in names]
+        if any(type(linear) is not nn.Linear for linear in linears):
+            raise TypeError("FusedLinear fuses plain nn.Linear layers only")
+        if len({linear.bias is None for linear in linears}) != 1:
+            raise ValueError("FusedLinear needs all layers with a bias or all without")
+        self.owner, self.names = owner, names
+        self.sizes = [linear.out_features for linear in linears]
+        with torch.no_grad():
+            self.weight = torch.cat([linear.weight for linear in linears])
+            self.bias = (
+                None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+            )
+        start = 0
+        for linear, size in zip(linears, self.sizes, strict=True):
+            linear.weight = nn.Parameter(
+                self.weight[start : start + size], requires_grad=linear.weight.requires_grad
+            )
+            if self.bias is not None:
+                linear.bias = nn.Parameter(
+                    self.bias[start : start + size], requires_grad=linear.bias.requires_grad
+                )
+            start += size
+        self.views = [(linear.weight, linear.bias) for linear in linears]
+        self.data_ptrs = [_data_ptrs(linear) for linear in linears]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """[..., in_features] -> each layer's output, or None when the layers must run alone."""
+        if torch.is_grad_enabled():
+            return None
+        for name, (weight, bias), ptrs in zip(self.names, self.views, self.data_ptrs, strict=True):
+            linear = getattr(self.owner, name)  # the layer there now, maybe replaced
+            if (
+                type(linear) is not nn.Linear
+                or linear._forward_hooks
+                or linear._forward_pre_hooks
+                or linear.weight is not weight
+                or linear.bias is not bias
+                or _data_ptrs(linear) != ptrs  # `.data` reassigned, or the model moved
+            ):
+                return None
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def _data_ptrs(linear: nn.Linear) -> tuple[int, int]:
+    return linear.weight.data_ptr(), 0 if linear.bias is None else linear.bias.data_ptr()
 
 
 class LlamaAttention(nn.Module):
@@ -88,6 +152,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, use_kernels)
         self.qk_norm = config.qk_norm
         self.backend = get_attention_backend(backend_name)
+        self.fused_qkv: FusedLinear | None = None  # set by `fuse_projections`
+        self.use_kernels = use_kernels
 
     def forward(
         self,
@@ -98,9 +164,13 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """x: [num_tokens, hidden] with a cache, or [batch, seq, hidden] without (meta None)."""
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        qkv = None if self.fused_qkv is None else self.fused_qkv(x)
+        if qkv is not None and self.use_kernels:  # the Triton kernels take contiguous rows
+            qkv = [t.contiguous() for t in qkv]
+        q, k, v = qkv or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k)
@@ -134,9 +204,12 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused_gate_up: FusedLinear | None = None  # set by `fuse_projections`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = None if self.fused_gate_up is None else self.fused_gate_up(x)
+        gate, up = gate_up or (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -251,6 +324,20 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden_size] -> logits [n, vocab_size] in float32."""
         return self.lm_head(hidden).float()
+
+    def fuse_projections(self) -> None:
+        """Give every layer one GEMM for q/k/v and one for gate/up (`FusedLinear`), where the
+        projections are plain `nn.Linear` layers; quantized layers, and the experts of a
+        mixture-of-experts layer, keep one GEMM each. Call it once the weights are loaded."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            if all(type(linear) is nn.Linear for linear in qkv):
+                attn.fused_qkv = FusedLinear(attn, ["q_proj", "k_proj", "v_proj"])
+            if isinstance(mlp, LlamaMLP) and all(
+                type(linear) is nn.Linear for linear in (mlp.gate_proj, mlp.up_proj)
+            ):
+                mlp.fused_gate_up = FusedLinear(mlp, ["gate_proj", "up_proj"])
 
     def forward_causal(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Plain causal forward without a cache: input_ids [batch, seq] -> logits

@@ -277,6 +277,7 @@ def load_weights(
     if config.tie_word_embeddings:
         lm.lm_head.weight = lm.model.embed_tokens.weight
     lm.eval()
+    lm.fuse_projections()  # q/k/v and gate/up as one GEMM each, same Parameters
 
     return lm
 
@@ -319,7 +320,9 @@ def save_pretrained(
         )
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    # a copy of each tensor: fused projections are views of one matrix, which safetensors
+    # would refuse as shared storage
+    state = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight")  # safetensors refuses two names for one storage
     dtypes = {t.dtype for t in state.values()}

@@ -21,7 +21,7 @@ import torch
 
 from minillm.core.request import Request
 from minillm.core.scheduler import ScheduledRequest, SchedulerOutput
-from minillm.model.attention import AttentionMetadata, split_mixed_batch
+from minillm.model.attention import AttentionMetadata, plan_torch_attention, split_mixed_batch
 from minillm.model.config import ModelConfig
 from minillm.model.llama import LlamaForCausalLM
 from minillm.model.lora import LoRAManager
@@ -104,6 +104,9 @@ def prepare_inputs(
         max_seq_len=max(seq_lens),
         block_size=block_size,
         mixed=split_mixed_batch(query_start_loc, seq_lens, device),
+        torch_plan=plan_torch_attention(
+            query_start_loc, seq_lens, padded_tables, block_size, device
+        ),
     )
     return ModelInput(
         input_ids=tensor(input_ids, torch.int64),
@@ -212,7 +215,8 @@ class ModelRunner:
             )
             for seq in seqs
         ]
-        output = self.sampler(logits[row_of_seq], states)
+        one_to_one = row_of_seq == list(range(len(rows)))  # no forks: no copy of the logits
+        output = self.sampler(logits if one_to_one else logits[row_of_seq], states)
         return {
             seq.request_id: SampledToken(output.token_ids[i], sampled_logprobs(output, i, seq))
             for i, seq in enumerate(seqs)

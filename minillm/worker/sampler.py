@@ -47,7 +47,9 @@ class SamplingState:
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # logprob of each sampled token (raw or processed: logprobs_mode)
+    # logprob of each sampled token (raw or processed: logprobs_mode); None when no row asked
+    # for logprobs, so that a step without them computes no log-softmax
+    logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]] | None]  # params.logprobs best (id, logprob)
 
 
@@ -253,8 +255,11 @@ class Sampler:
             )
         logits = logits.float()
         mode = self.logprobs_mode
-        reported = logits.log_softmax(dim=-1) if mode == "raw_logprobs" else logits
         params = [request.params for request in requests]
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        reported = logits
+        if wants_logprobs and mode == "raw_logprobs":
+            reported = logits.log_softmax(dim=-1)
 
         grammar_mask = None
         if any(p.structured_outputs is not None for p in params):
@@ -286,6 +291,8 @@ class Sampler:
             sampled, sample_logits = self._sample(logits, requests, is_greedy)
             token_ids = torch.where(is_greedy, token_ids, sampled)
             processed = torch.where(is_greedy[:, None], logits, sample_logits)
+        if not wants_logprobs:
+            return SamplerOutput(token_ids.tolist(), None, [None] * len(params))
         if mode == "processed_logprobs":
             reported = processed.log_softmax(dim=-1)
         elif mode == "processed_logits":

@@ -17,7 +17,7 @@ ARCHS = ["llama", "qwen2", "qwen3"]
 ATOL = 1e-4
 
 
-def load_minillm(path: pathlib.Path) -> LlamaForCausalLM:
+def load_minillm(path: pathlib.Path, fused: bool = False) -> LlamaForCausalLM:
     config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
     model = LlamaForCausalLM(config).eval()
     state = safetensors.torch.load_file(path / "model.safetensors")
@@ -25,6 +25,8 @@ def load_minillm(path: pathlib.Path) -> LlamaForCausalLM:
     # a tied checkpoint stores the shared matrix once, as the embedding
     assert missing == (["lm_head.weight"] if config.tie_word_embeddings else [])
     assert unexpected == []
+    if fused:
+        model.fuse_projections()
     return model
 
 
@@ -144,6 +146,55 @@ def test_paged_decode_matches_transformers_at_every_position(hf_checkpoint, arch
     for pos in range(prompt_len, len(tokens)):
         step = batcher.step({"s": [tokens[pos]]})["s"]
         torch.testing.assert_close(step[0], expected[pos], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_projections_match_transformers(hf_checkpoint, arch):
+    path, hf = hf_checkpoint(arch)
+    model = load_minillm(path, fused=True)
+    assert all(layer.self_attn.fused_qkv is not None for layer in model.model.layers)
+    batcher = PagedBatcher(model)
+    tokens = random_tokens(97, 20, seed=4)
+    expected = hf_logits(hf, tokens)
+    prefill = batcher.step({"s": tokens[:9]})["s"]
+    torch.testing.assert_close(prefill, expected[:9], atol=ATOL, rtol=0)
+    for pos in range(9, len(tokens)):
+        step = batcher.step({"s": [tokens[pos]]})["s"]
+        torch.testing.assert_close(step[0], expected[pos], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_fused_projections_compute_the_layers_or_step_aside(hf_checkpoint, arch):
+    model = load_minillm(hf_checkpoint(arch)[0], fused=True)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    names = [name for name, _ in model.state_dict().items()]
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def separate():
+        return [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+
+    with torch.no_grad():
+        for got, want in zip(attn.fused_qkv(x), separate(), strict=True):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        gate, up = mlp.fused_gate_up(x)
+        torch.testing.assert_close(gate, mlp.gate_proj(x), atol=1e-6, rtol=0)
+        # the layers' Parameters are views: an in-place change reaches the fused GEMM
+        attn.k_proj.weight.mul_(2.0)
+        torch.testing.assert_close(attn.fused_qkv(x)[1], attn.k_proj(x), atol=1e-6, rtol=0)
+        assert torch.is_grad_enabled() is False
+    # with autograd on, the layers run alone (gradients must reach their Parameters)
+    assert attn.fused_qkv(x) is None
+    with torch.no_grad():
+        handle = attn.v_proj.register_forward_hook(lambda m, a, out: out + 1)  # a LoRA hook
+        assert attn.fused_qkv(x) is None
+        handle.remove()
+        assert attn.fused_qkv(x) is not None
+        attn.q_proj.weight.data = attn.q_proj.weight.data.clone() * 3  # reassigned storage
+        assert attn.fused_qkv(x) is None
+        # unchanged parameter names: checkpoints load and save as before
+        assert [name for name, _ in model.state_dict().items()] == names
+        mlp.up_proj = torch.nn.Linear(mlp.up_proj.in_features, mlp.up_proj.out_features)
+        assert mlp.fused_gate_up(x) is None  # a replaced layer (a quantized one, say)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -436,7 +436,10 @@ def test_sampler_accepts_every_valid_params(data):
     ]
     out = Sampler()(logits, states)
     assert len(out.token_ids) == rows
-    for token_id, logprob in zip(out.token_ids, out.logprobs, strict=True):
+    # no row asks for logprobs: none are computed
+    assert (out.logprobs is None) == (params.logprobs is None)
+    logprobs = out.logprobs or [0.0] * rows
+    for token_id, logprob in zip(out.token_ids, logprobs, strict=True):
         assert 0 <= token_id < VOCAB
         assert math.isfinite(logprob)
         if num_output < params.min_tokens:
