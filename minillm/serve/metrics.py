@@ -31,7 +31,10 @@ Names keep vLLM's `vllm:` prefix (as in vLLM v0.11's `vllm/v1/metrics/loggers.py
     vllm:prefix_cache_hits_total        counter    of those, tokens found there
     vllm:num_preemptions_total          counter    preemptions
 
-Every series has vLLM's labels `model_name` and `engine` (the engine's index, "0": one
+vllm:request_params_max_tokens, vllm:iteration_tokens_total, vllm:cache_config_info and the
+`engine` label were checked in vLLM's source, `vllm/v1/metrics/loggers.py` at commit
+005a810 (V1's `PrometheusStatLogger`, a 2025 commit; that it is v0.11's tagged file was not
+checked): every series has vLLM's labels `model_name` and `engine` (the engine's index, "0": one
 engine per server); `vllm:cache_config_info` has `engine` and, as labels, the fields of vLLM's
 `CacheConfig` that minillm has (block_size, cache_dtype, calculate_kv_scales,
 enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_cpu_blocks,
