@@ -568,6 +568,15 @@ def start_server(log_path: pathlib.Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("minillm serve did not start in 300 s")
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else the machine's architecture."""
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU time of a process, from /proc (Linux)."""
     try:
@@ -636,7 +645,7 @@ def run_http_soak(
         "drain": drain,
         "machine": {
             "cores": os.cpu_count(),
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": cpu_name(),
             "load_1m_before": round(load_before[0], 2),
             "load_1m_at_checks": {
                 "min": min(tally.load, default=None),
