@@ -248,29 +248,31 @@ class ServerMetrics:
     def observe_step(self, outputs: list[RequestOutput]) -> None:
         """Record one engine step's outputs (vLLM's IterationStats: the step's tokens are the
         prompts of the requests it gave a first token, plus the tokens it sampled)."""
-        tokens = sum(self.observe(output) for output in outputs)
+        tokens = 0
+        for output in outputs:
+            times_seen, tokens_seen = self._seen.get(output.request_id, (0, 0))
+            if times_seen == 0 and output.metrics.token_times:
+                tokens += len(output.prompt_token_ids)
+            tokens += sum(len(c.token_ids) for c in output.outputs) - tokens_seen
+            self.observe(output)
         if outputs:
             self.iteration_tokens.observe(tokens)
 
-    def observe(self, output: RequestOutput) -> int:
-        """Record what this output adds to its request (called once per output, in order);
-        returns its tokens for the step's count (prompt on its first token, plus new ones)."""
+    def observe(self, output: RequestOutput) -> None:
+        """Record what this output adds to its request (called once per output, in order)."""
         m = output.metrics
         times_seen, tokens_seen = self._seen.get(output.request_id, (0, 0))
         times = m.token_times
-        step_tokens = 0
         if times_seen == 0 and times:
             self.ttft.observe(times[0] - m.arrival_time)
             self.prompt_tokens.inc(len(output.prompt_token_ids))
-            step_tokens += len(output.prompt_token_ids)
         for earlier, later in pairwise(times[max(times_seen - 1, 0) :]):
             self.itl.observe(later - earlier)
         num_tokens = sum(len(c.token_ids) for c in output.outputs)
         self.generation_tokens.inc(num_tokens - tokens_seen)
-        step_tokens += num_tokens - tokens_seen
         if not output.finished:
             self._seen[output.request_id] = (len(times), num_tokens)
-            return step_tokens
+            return
         self._seen.pop(output.request_id, None)
         max_tokens = self._max_tokens.pop(output.request_id, None)
         if max_tokens:
@@ -294,7 +296,6 @@ class ServerMetrics:
         reasons = {c.finish_reason for c in output.outputs}
         reason = "abort" if "abort" in reasons or output.error else sorted(reasons)[0]
         self.request_success.labels(self.model_name, ENGINE_INDEX, reason).inc()
-        return step_tokens
 
     @property
     def num_tracked(self) -> int:
