@@ -170,8 +170,8 @@ class LLM:
 
         Returns every request's id and, with `hold_busy_loras`, the requests held back from
         the first one whose adapter cannot be loaded yet (LoRASlotsBusy) on, as
-        `_add_held` takes them; their adapters are checked now, so that a bad one fails
-        here. Without it such a request is refused like a bad one."""
+        `_add_held` takes them; their prompts, options and adapters are checked now, so that
+        a bad one fails here. Without it such a request is refused like a bad one."""
         request_ids: list[str] = []
         held: list[tuple] = []
         loras = [None] * len(prompts) if lora_requests is None else lora_requests
@@ -200,6 +200,13 @@ class LLM:
                         held.append(request)
                     self._queues[request_id] = collections.deque()
                     request_ids.append(request_id)
+                for _, prompt, params, _, _ in held:  # what add_request checks before the adapter
+                    if not isinstance(params, SamplingParams):
+                        raise ValueError(
+                            f"params must be a SamplingParams, got {type(params).__name__}"
+                        )
+                    self.engine._check_prompt(self.engine._tokenize(prompt)[1])
+                    self.engine._check_params(params)
                 for lora in {id(r[4]): r[4] for r in held if r[4] is not None}.values():
                     self.engine.lora_manager.check_lora(lora)
             except BaseException:

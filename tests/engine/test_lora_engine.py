@@ -381,7 +381,10 @@ def test_more_adapters_than_max_cpu_loras_in_one_call_are_served_in_turn(
     gone = LoRARequest("gone", 7, str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="not a LoRA adapter directory"):
         llm.generate(PROMPTS, params, lora_request=[a, b, gone], use_tqdm=False)
-    assert not llm.engine.scheduler.requests  # the two added first were withdrawn
+    # so is a bad prompt among them (a token outside the vocabulary)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        llm.generate([PROMPTS[0], PROMPTS[1], [10**6]], params, lora_request=[a, b, None])
+    assert not llm.engine.scheduler.requests  # the ones added first were withdrawn
     llm.engine.step()  # which reports them as aborted, to nobody
     probe_prompt = [4, 5, 6]
     fresh = LLM(tiny_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
