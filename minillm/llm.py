@@ -28,6 +28,7 @@ from minillm.engine.args import EngineArgs
 from minillm.engine.beam_search import BeamSearchOutput, beam_search
 from minillm.engine.llm_engine import LLMEngine, Prompt
 from minillm.lora.request import LoRARequest
+from minillm.model.lora import LoRASlotsBusy
 from minillm.model.tokenizer import Tokenizer
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import BeamSearchParams, SamplingParams
@@ -92,7 +93,10 @@ class LLM:
         (default SamplingParams()). priority: one value per prompt, for an engine with
         scheduling_policy="priority" (lower values first). A request the engine had to abort
         comes back finished with finish_reason "abort" and its `error`. lora_request: the
-        LoRA adapter for all prompts, or one (or None) per prompt (enable_lora=True).
+        LoRA adapter for all prompts, or one (or None) per prompt (enable_lora=True). More
+        adapters than the engine keeps loaded (max_cpu_loras) are served in turn: a prompt
+        whose adapter finds every loaded one in use waits, and is added (in order) once
+        requests finish and an adapter can be swapped out; every adapter is checked first.
         """
         prompts = as_prompt_list(prompts)
         if lora_request is None or isinstance(lora_request, LoRARequest):
@@ -121,9 +125,11 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                     "give one for all or one per prompt"
                 )
-        request_ids = self._add_requests(prompts, params_list, priorities, lora_requests)
+        request_ids, held = self._add_requests(
+            prompts, params_list, priorities, lora_requests, hold_busy_loras=True
+        )
         try:
-            return self._run_until_finished(request_ids, use_tqdm)
+            return self._run_until_finished(request_ids, use_tqdm, held)
         finally:
             self._abort_unfinished(request_ids)
 
@@ -158,9 +164,16 @@ class LLM:
         params_list: list[SamplingParams],
         priorities: list[int],
         lora_requests: list[LoRARequest | None] | None = None,
-    ) -> list[str]:
-        """Queue all prompts, or none: a bad prompt withdraws the ones queued before it."""
+        hold_busy_loras: bool = False,
+    ) -> tuple[list[str], list[tuple]]:
+        """Queue all prompts, or none: a bad prompt withdraws the ones queued before it.
+
+        Returns every request's id and, with `hold_busy_loras`, the requests held back from
+        the first one whose adapter cannot be loaded yet (LoRASlotsBusy) on, as
+        `_add_held` takes them; their prompts, options and adapters are checked now, so that
+        a bad one fails here. Without it such a request is refused like a bad one."""
         request_ids: list[str] = []
+        held: list[tuple] = []
         loras = [None] * len(prompts) if lora_requests is None else lora_requests
         with self._lock:
             if self._served_by is not None:
@@ -173,20 +186,56 @@ class LLM:
                     prompts, params_list, priorities, loras, strict=True
                 ):
                     request_id = str(next(self._request_counter))
-                    self.engine.add_request(
-                        request_id, prompt, params, priority=priority, lora_request=lora
-                    )
+                    request = (request_id, prompt, params, priority, lora)
+                    if not held:
+                        try:
+                            self.engine.add_request(
+                                request_id, prompt, params, priority=priority, lora_request=lora
+                            )
+                        except LoRASlotsBusy:
+                            if not hold_busy_loras:
+                                raise
+                            held.append(request)
+                    else:
+                        held.append(request)
                     self._queues[request_id] = collections.deque()
                     request_ids.append(request_id)
+                for _, prompt, params, _, _ in held:  # what add_request checks before the adapter
+                    if not isinstance(params, SamplingParams):
+                        raise ValueError(
+                            f"params must be a SamplingParams, got {type(params).__name__}"
+                        )
+                    self.engine._check_prompt(self.engine._tokenize(prompt)[1])
+                    self.engine._check_params(params)
+                for lora in {id(r[4]): r[4] for r in held if r[4] is not None}.values():
+                    self.engine.lora_manager.check_lora(lora)
             except BaseException:
                 self._abort_unfinished(request_ids)
                 raise
-        return request_ids
+        return request_ids, held
 
-    def _run_until_finished(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _add_held(self, held: list[tuple]) -> None:
+        """Add the held requests, in order, until one's adapter still finds every loaded
+        adapter in use (they stay held); a prompt that turns out bad raises."""
+        with self._lock:
+            while held:
+                request_id, prompt, params, priority, lora = held[0]
+                try:
+                    self.engine.add_request(
+                        request_id, prompt, params, priority=priority, lora_request=lora
+                    )
+                except LoRASlotsBusy:
+                    return
+                held.pop(0)
+
+    def _run_until_finished(
+        self, request_ids: list[str], use_tqdm: bool, held: list[tuple] | None = None
+    ) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while len(finished) < len(request_ids):
+                if held:
+                    self._add_held(held)
                 self._step()
                 for request_id in request_ids:
                     for output in self._take(request_id):
@@ -201,7 +250,7 @@ class LLM:
         """Yield the prompt's output after every step that adds to it; the new text of each
         completion is in `outputs[i].delta_text`. Closing the iterator early aborts the request.
         """
-        [request_id] = self._add_requests([prompt], [sampling_params or SamplingParams()], [0])
+        [request_id], _ = self._add_requests([prompt], [sampling_params or SamplingParams()], [0])
         # characters of each completion's text yielded so far: delta_text is cut from the
         # whole text here, so an output that never reached this queue (Ctrl-C in another
         # call, between its step and the queueing) loses no text; streamed text only grows

@@ -86,6 +86,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "browser (CORS; default: none)",
     )
     p.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="host names the server answers to besides localhost, IP addresses and --host "
+        "(a request whose Host header names another gets 400: a defence against DNS "
+        "rebinding; * for any)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=None,
@@ -126,7 +135,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def server_options(args: argparse.Namespace) -> dict:
     """The server options given on the command line whose defaults live in the server."""
-    names = ("max_request_body_bytes", "shutdown_timeout", "allowed_origins")
+    names = ("max_request_body_bytes", "shutdown_timeout", "allowed_origins", "allowed_hosts")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

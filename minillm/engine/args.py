@@ -87,7 +87,8 @@ class EngineArgs:
     # multi-LoRA serving (vLLM's options; minillm.model.lora): requests name an adapter with
     # a LoRARequest; a step's batch uses at most max_loras adapters, each of rank <=
     # max_lora_rank; max_cpu_loras adapters stay loaded (None: max_loras), the least recently
-    # used one that no unfinished request needs making room for a new one
+    # used one that no unfinished request needs making room for a new one (when every one is
+    # needed, add_request raises LoRASlotsBusy; LLM.generate holds such requests back)
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16

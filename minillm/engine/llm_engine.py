@@ -68,6 +68,7 @@ class LLMEngine:
         self, engine_args: EngineArgs, clock: Callable[[], float] = time.perf_counter
     ) -> None:
         args = engine_args
+        self.engine_args = args  # as given (the server's cache_config_info reads them)
         device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         on_cuda = device.type == "cuda"
         backend = args.attention_backend or ("triton" if on_cuda else "torch")
@@ -203,6 +204,10 @@ class LLMEngine:
         self.async_scheduling = args.async_scheduling
         self._forward_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._in_flight: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
+        # per plan not yet processed (by id): its sampling sequences' token counts when it was
+        # made, and their random streams before it ran, to rewind them if it is put back
+        self._plan_lengths: dict[int, dict[str, int]] = {}
+        self._plan_generators: dict[int, dict | None] = {}
         self._previous_token_ids: dict[str, int] = {}  # the forward thread's last tokens
         if self.async_scheduling:
             self._forward_thread = concurrent.futures.ThreadPoolExecutor(
@@ -389,12 +394,14 @@ class LLMEngine:
         if self.async_scheduling:
             return self._step_async()
         plan = self.scheduler.schedule()
+        self._note_plan(plan)
         try:
             sampled, failed = self._execute(plan)
         except WorkerError:
             raise
         except BaseException:
             # interrupted (Ctrl-C): nothing of the step happened; its requests recompute later
+            self._rewind_generators([plan])
             self.scheduler.requeue(plan)
             raise
         try:
@@ -403,6 +410,7 @@ class LLMEngine:
             # interrupted or a bug while processing: the step may be half applied; its
             # unfinished requests recompute from the tokens they have, the finished ones are
             # reported
+            self._rewind_generators([plan])
             self.scheduler.requeue(plan)
             self._report_stranded()
             raise
@@ -504,10 +512,49 @@ class LLMEngine:
         for seq in progressed:
             if seq.is_finished:
                 self.structured_output_manager.free(seq.request_id)
-        return self.output_processor.make_outputs(progressed)
+        outputs = self.output_processor.make_outputs(progressed)
+        # processed whole: nothing of it will be put back (an interruption before here leaves
+        # these for _rewind_generators)
+        self._plan_lengths.pop(id(plan), None)
+        self._plan_generators.pop(id(plan), None)
+        return outputs
 
     def _start_forward(self, plan: SchedulerOutput) -> concurrent.futures.Future:
+        self._note_plan(plan)
         return self._forward_thread.submit(self._forward_in_order, plan)
+
+    def _note_plan(self, plan: SchedulerOutput) -> None:
+        """When a plan is made: each sampling sequence's token count, to tell after an
+        interruption whether the plan's token reached it (`_rewind_generators`)."""
+        self._plan_lengths[id(plan)] = {
+            seq.request_id: len(seq.all_token_ids)
+            for scheduled in plan.scheduled
+            for seq in scheduled.sampling_seqs
+        }
+
+    def _rewind_generators(self, plans: list[SchedulerOutput]) -> None:
+        """Plans put back after an interruption (Ctrl-C), in the order they ran: a seeded
+        sequence's random stream goes back to where it was before the first of them whose
+        token it did not keep, so that it does not draw again for the same token: its next
+        token is the one a run without the interruption samples. A plan's token was kept
+        when the sequence grew past its count at planning and ends in a real token (async
+        scheduling: not the placeholder of a step planned ahead)."""
+        restore: dict[str, object] = {}
+        for plan in reversed(plans):  # the earliest plan last: its state wins
+            lengths = self._plan_lengths.pop(id(plan), {})
+            states = self._plan_generators.pop(id(plan), None)
+            if states is None:  # it never ran (cancelled), or worker processes hold them
+                continue
+            for scheduled in plan.scheduled:
+                for seq in scheduled.sampling_seqs:
+                    kept = (
+                        len(seq.all_token_ids) > lengths.get(seq.request_id, len(seq.all_token_ids))
+                        and seq.all_token_ids[-1] != PLACEHOLDER_TOKEN_ID
+                    )
+                    if not kept and not seq.is_finished and seq.request_id in states:
+                        restore[seq.request_id] = states[seq.request_id]
+        if restore:
+            self.model_runner.restore_generators(restore)
 
     def _forward_in_order(self, plan: SchedulerOutput) -> tuple[dict, list]:
         """Runs in the forward thread, one plan after the other: resolve the plan's
@@ -533,9 +580,11 @@ class LLMEngine:
             ahead_future.cancel()
             futures.append(ahead_future)
             concurrent.futures.wait(futures)
+            self._rewind_generators([plan, ahead])
             self.scheduler.requeue(ahead)
         else:
             concurrent.futures.wait(futures)
+            self._rewind_generators([plan])
         if plan.advanced:
             self.scheduler.undo_advance(plan)
         self.scheduler.requeue(plan)
@@ -558,7 +607,9 @@ class LLMEngine:
         if self.executor is not None:
             return None
         seq_ids = [seq.request_id for s in plan.scheduled for seq in s.sampling_seqs]
-        return self.model_runner.generator_states(seq_ids)
+        states = self.model_runner.generator_states(seq_ids)
+        self._plan_generators[id(plan)] = states  # to rewind if the plan is put back
+        return states
 
     def _abort_failed(self, failed: list[tuple[ScheduledRequest, str]]) -> None:
         for scheduled, message in failed:

@@ -180,14 +180,21 @@ def save_lora_adapter(
     return path
 
 
+class LoRASlotsBusy(ValueError):
+    """Every loaded adapter is needed by an unfinished request: a new one can be loaded only
+    once one of them is done. Not the adapter's fault: retry later (`LLM.generate` holds
+    such requests back and adds them as adapters free up; the server answers 503 with
+    Retry-After)."""
+
+
 class LoRAManager:
     """Adapters of rank <= `max_lora_rank` beside one model, applied per row.
 
     Adapters are loaded on first use (`add_lora`) and kept, up to `max_cpu_loras` of them
     (vLLM's name; by default `max_loras`, the most one batch uses, which the scheduler
     enforces). A new adapter beyond that evicts the least recently used one that no
-    unfinished request needs; when every loaded adapter is needed, it is refused. Per
-    forward, `set_active` gives each token row its adapter id (0: none).
+    unfinished request needs; when every loaded adapter is needed, it is refused with
+    LoRASlotsBusy. Per forward, `set_active` gives each token row its adapter id (0: none).
     """
 
     def __init__(
@@ -224,9 +231,38 @@ class LoRAManager:
     def add_lora(
         self, lora_request: LoRARequest, in_use: set[int] | frozenset[int] = frozenset()
     ) -> LoRAAdapter:
-        """Load the adapter unless it is loaded; ValueError when it cannot be served.
+        """Load the adapter unless it is loaded; ValueError when it cannot be served,
+        LoRASlotsBusy (a ValueError) when it can but every loaded one is in use.
 
         `in_use`: the adapter ids unfinished requests need, which are never evicted."""
+        adapter = self.check_lora(lora_request)
+        if adapter.lora_int_id in self.adapters:
+            self.adapters[adapter.lora_int_id] = self.adapters.pop(adapter.lora_int_id)  # used
+            return adapter
+        if len(self.adapters) >= self.max_cpu_loras:
+            idle = [lora_id for lora_id in self.adapters if lora_id not in in_use]
+            if not idle:
+                raise LoRASlotsBusy(
+                    f"cannot load adapter {lora_request.lora_name!r} now: all "
+                    f"max_cpu_loras={self.max_cpu_loras} loaded adapters "
+                    f"({', '.join(sorted(repr(a.lora_name) for a in self.adapters.values()))}) "
+                    "are used by unfinished requests; it can be loaded once one of those "
+                    "finishes (LLM.generate waits for that by itself), or raise max_cpu_loras"
+                )
+            self.remove_lora(idle[0])  # the least recently used
+        weight = next(iter(self.modules.values())).weight
+        for name, (a, b) in adapter.weights.items():
+            self.weights[name][adapter.lora_int_id] = (
+                a.to(weight.device, weight.dtype),
+                (adapter.scaling * b).to(weight.device, weight.dtype),
+            )
+        self.adapters[adapter.lora_int_id] = adapter
+        return adapter
+
+    def check_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """The adapter, loaded and checked but not kept (the loaded one if it is loaded);
+        ValueError when it cannot be served: not a LoRARequest, its id taken by another
+        adapter, a rank above max_lora_rank, a layer this model does not have."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(
                 f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
@@ -242,7 +278,6 @@ class LoRAManager:
                     f"lora_int_id {lora_request.lora_int_id} is already adapter "
                     f"{loaded.lora_name!r} from {str(loaded.path)!r}"
                 )
-            self.adapters[loaded.lora_int_id] = self.adapters.pop(loaded.lora_int_id)  # used now
             return loaded
         adapter = load_lora_adapter(lora_request)
         if adapter.rank > self.max_lora_rank:
@@ -263,23 +298,6 @@ class LoRAManager:
                     f"{module.in_features}] and lora_B [{module.out_features}, r], got "
                     f"{tuple(a.shape)} and {tuple(b.shape)}"
                 )
-        if len(self.adapters) >= self.max_cpu_loras:
-            idle = [lora_id for lora_id in self.adapters if lora_id not in in_use]
-            if not idle:
-                raise ValueError(
-                    f"max_cpu_loras={self.max_cpu_loras} adapters are loaded and unfinished "
-                    f"requests use each of them "
-                    f"({sorted(a.lora_name for a in self.adapters.values())}); cannot add "
-                    f"{lora_request.lora_name!r} now: raise max_cpu_loras or retry later"
-                )
-            self.remove_lora(idle[0])  # the least recently used
-        weight = next(iter(self.modules.values())).weight
-        for name, (a, b) in adapter.weights.items():
-            self.weights[name][adapter.lora_int_id] = (
-                a.to(weight.device, weight.dtype),
-                (adapter.scaling * b).to(weight.device, weight.dtype),
-            )
-        self.adapters[adapter.lora_int_id] = adapter
         return adapter
 
     def remove_lora(self, lora_int_id: int) -> bool:

@@ -12,17 +12,21 @@ choice, with `stream_options.include_usage` a final chunk with `usage` and no ch
 `data: [DONE]`. A client that disconnects, streaming or not, has its requests aborted, so
 that their KV blocks and batch seats are freed at once.
 
-Errors are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400 for a body
-that is not JSON, a field of the wrong type or unknown, a value out of range, or a prompt too
-long for max_model_len; 404 for another model's name; 401 without the API key (when one is
-set); 503 with Retry-After when the waiting queue is full; 429 with Retry-After when the
-key's token bucket is short (with a rate limit set: see minillm.serve.rate_limit).
+Errors are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400 for a Host
+header the server does not answer to (see HostCheckMiddleware), a body that is not JSON, a
+field of the wrong type or unknown, a value out of range, or a prompt too long for
+max_model_len; 404 for another model's name; 401 without the API key (when one is set); 503
+with Retry-After when the waiting queue is full, or when the LoRA adapter asked for cannot be
+loaded because every loaded one (max_cpu_loras) serves unfinished requests; 429 with
+Retry-After when the key's token bucket is short (with a rate limit set: see
+minillm.serve.rate_limit).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import time
 import uuid
@@ -33,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minillm.lora.request import LoRARequest
+from minillm.model.lora import LoRASlotsBusy
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import SamplingParams
 from minillm.serve.async_engine import AsyncEngine, EngineDead, EngineOverloaded
@@ -335,6 +340,14 @@ class OpenAIServer:
                 ) from None
             if isinstance(err, EngineDead):
                 raise ApiError(str(err), 503, code="engine_dead", type="server_error") from None
+            if isinstance(err, LoRASlotsBusy):  # not the request's fault: it may come back
+                raise ApiError(
+                    str(err),
+                    503,
+                    code="lora_slots_busy",
+                    type="server_error",
+                    headers={"Retry-After": "1"},
+                ) from None
             if isinstance(err, ValueError):
                 raise value_error(err, SAMPLING_FIELDS) from None
             raise
@@ -650,7 +663,9 @@ class OpenAIServer:
                     "object": "model",
                     "created": self.created,
                     "owned_by": "minillm",
-                    "root": str(self.tokenizer.path.parent),
+                    # the directory's name, never its path: a client learns nothing of the
+                    # server's filesystem (vLLM sends the path it was given)
+                    "root": self.tokenizer.path.parent.name,
                     "max_model_len": self.engine.max_model_len,
                 }
             ]
@@ -660,7 +675,7 @@ class OpenAIServer:
                     "object": "model",
                     "created": self.created,
                     "owned_by": "minillm",
-                    "root": lora.lora_path,
+                    "root": name,
                     "parent": self.served_model_name,
                     "max_model_len": self.engine.max_model_len,
                 }
@@ -800,6 +815,75 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+LOCAL_HOST_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(host_header: str) -> str:
+    """The name in a Host header, lowercased, without port, brackets or a trailing dot."""
+    host = host_header.strip().lower()
+    if host.startswith("["):  # [::1]:8000
+        return host[1 : host.find("]")] if "]" in host else host
+    if host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    return host.rstrip(".")
+
+
+def is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class HostCheckMiddleware:
+    """400 for a request whose Host header names a host not in `allowed_hosts`: the defence
+    against DNS rebinding, where a web page makes its own domain name resolve to 127.0.0.1 and
+    then reads a server on the reader's machine as if it were same-origin. Its requests carry
+    the page's name in Host, which is not one of the server's names.
+
+    Always allowed: localhost names, any IP address (a rebinding attack needs a name of its
+    own, so an address in Host is never one), and a request without Host (not a browser).
+    `allowed_hosts` adds names (a DNS name the server is reached by); "*" turns the check off.
+    Plain ASGI, so that streaming passes untouched."""
+
+    def __init__(self, app, allowed_hosts: Sequence[str]) -> None:
+        self.app = app
+        self.allowed = {host_name(h) for h in (*LOCAL_HOST_NAMES, *allowed_hosts)}
+
+    def accepts(self, host: str) -> bool:
+        name = host_name(host)
+        return name in self.allowed or is_ip_address(name)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"host")
+            host = None if given is None else given.decode("latin-1")
+            if host is not None and not self.accepts(host):
+                err = ApiError(
+                    f"this server does not answer to the host {host!r} (it protects itself from "
+                    "DNS rebinding); start it with --allowed-hosts "
+                    f"{host_name(host) or '<name>'} to allow that name",
+                    status_code=400,
+                    param="Host",
+                    code="invalid_host",
+                )
+                await JSONResponse(err.body(), status_code=400)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def check_allowed_hosts(allowed_hosts: Sequence[str] | None) -> list[str]:
+    """The extra host names as a list; ValueError for anything but non-empty names."""
+    hosts = list(allowed_hosts or [])
+    for host in hosts:
+        if not isinstance(host, str) or not host.strip() or any(c in host for c in "/ @"):
+            raise ValueError(
+                f"allowed_hosts holds host names (example.com, or * for any), got {host!r}"
+            )
+    return hosts
+
+
 def build_app(
     async_engine: AsyncEngine,
     served_model_name: str,
@@ -810,10 +894,14 @@ def build_app(
     lora_modules: dict[str, LoRARequest] | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     allowed_origins: Sequence[str] | None = None,
+    allowed_hosts: Sequence[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app. `async_engine` must be started (and is not stopped by the app).
     allowed_origins: web origins whose pages may call the API from a browser (CORS, vLLM's
-    --allowed-origins; "*" for any); None: no page of another origin may."""
+    --allowed-origins; "*" for any); None: no page of another origin may. allowed_hosts: host
+    names the server answers to besides localhost and IP addresses (see HostCheckMiddleware;
+    "*": any)."""
+    allowed_hosts = check_allowed_hosts(allowed_hosts)
     if isinstance(max_request_body_bytes, bool) or not (
         isinstance(max_request_body_bytes, int) and max_request_body_bytes >= 1
     ):
@@ -857,6 +945,8 @@ def build_app(
     if api_keys is not None:
         app.add_middleware(ApiKeyMiddleware, api_keys=api_keys)
         server.keys_checked = True
+    if "*" not in allowed_hosts:  # added last: checked first, before anything is read
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=allowed_hosts)
 
     @app.get("/health")
     async def health() -> Response:

@@ -85,8 +85,9 @@ class _Abort:
 class AsyncEngine:
     """An LLMEngine driven by a background thread (see the module's docstring).
 
-    on_output: called in the engine thread with every output of every request, before it is
-    handed to its stream (the server's metrics). lock: held while the engine is touched; pass
+    on_step: called in the engine thread with each step's outputs, before they are handed to
+    their streams; on_add: called in the engine thread with each request the engine took,
+    before its first step (both: the server's metrics). lock: held while the engine is touched; pass
     the `LLM`'s own lock when serving an `LLM`, so that nothing else steps it meanwhile.
     """
 
@@ -94,8 +95,9 @@ class AsyncEngine:
         self,
         engine: LLMEngine,
         max_waiting_requests: int | None = None,
-        on_output: Callable[[RequestOutput], None] | None = None,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
         lock: threading.RLock | None = None,
+        on_add: Callable[[str, SamplingParams], None] | None = None,
     ) -> None:
         if max_waiting_requests is not None and (
             isinstance(max_waiting_requests, bool)
@@ -107,7 +109,8 @@ class AsyncEngine:
             )
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.on_output = on_output
+        self.on_step = on_step
+        self.on_add = on_add
         self.lock = lock or threading.RLock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -225,14 +228,16 @@ class AsyncEngine:
         except ValueError as err:
             self._resolve(command, err)
             return True
+        if self.on_add is not None:
+            self.on_add(command.request_id, command.params)
         self._streams[command.request_id] = command.stream
         self._resolve(command, None)
         return True
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if self.on_step is not None:
+            self.on_step(outputs)
         for output in outputs:
-            if self.on_output is not None:
-                self.on_output(output)
             stream = self._streams.get(output.request_id)
             if stream is None:  # aborted: nobody waits for it any more
                 continue

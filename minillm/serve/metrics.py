@@ -1,7 +1,8 @@
 """The server's Prometheus metrics, with vLLM's names, buckets and meaning.
 
-Names keep vLLM's `vllm:` prefix (as in vLLM v0.11's `vllm/v1/metrics/loggers.py`), so a
-dashboard, an alert or a PromQL query written for vLLM reads `minillm serve` unchanged:
+Names keep vLLM's `vllm:` prefix (as in vLLM v0.11's `vllm/v1/metrics/loggers.py`,
+`PrometheusStatLogger`), so a dashboard, an alert or a PromQL query written for vLLM reads
+`minillm serve` unchanged:
 
     vllm:time_to_first_token_seconds    histogram  arrival -> first output token
     vllm:inter_token_latency_seconds    histogram  every gap between consecutive tokens
@@ -16,6 +17,10 @@ dashboard, an alert or a PromQL query written for vLLM reads `minillm serve` unc
     vllm:request_inference_time_seconds histogram  first scheduled -> last token
     vllm:request_max_num_generation_tokens  histogram  the longest completion's tokens
     vllm:request_params_n               histogram  n of each finished request
+    vllm:request_params_max_tokens      histogram  max_tokens of each finished request
+    vllm:iteration_tokens_total         histogram  per engine step: prompt tokens of the requests
+                                        whose prefill it finished + tokens it sampled
+    vllm:cache_config_info              gauge = 1  the KV cache's configuration, in its labels
     vllm:prompt_tokens_total            counter    prompt tokens of requests that prefilled
     vllm:generation_tokens_total        counter    output tokens sampled
     vllm:request_success_total          counter    finished requests, by finished_reason
@@ -26,11 +31,22 @@ dashboard, an alert or a PromQL query written for vLLM reads `minillm serve` unc
     vllm:prefix_cache_hits_total        counter    of those, tokens found there
     vllm:num_preemptions_total          counter    preemptions
 
-Every series has the label `model_name`. Each app has its own `CollectorRegistry`, so two
-servers in one process (a notebook, the tests) never mix their counts. Latencies come from
-the engine's own timestamps (`RequestOutput.metrics`, one clock), observed as outputs come
-out of each step; the gauges and the prefix-cache counters are read from the engine when
-`/metrics` is scraped.
+vllm:request_params_max_tokens, vllm:iteration_tokens_total, vllm:cache_config_info and the
+`engine` label were checked in vLLM's source, `vllm/v1/metrics/loggers.py` at commit
+005a810 (V1's `PrometheusStatLogger`, a 2025 commit; that it is v0.11's tagged file was not
+checked): every series has vLLM's labels `model_name` and `engine` (the engine's index, "0": one
+engine per server); `vllm:cache_config_info` has `engine` and, as labels, the fields of vLLM's
+`CacheConfig` that minillm has (block_size, cache_dtype, calculate_kv_scales,
+enable_prefix_caching, gpu_memory_utilization, kv_cache_memory_bytes, num_cpu_blocks,
+num_gpu_blocks, num_gpu_blocks_override), each value `str()` of it as vLLM writes them
+("None", "True"). `vllm:iteration_tokens_total` is counted as vLLM counts it
+(`IterationStats`: a request's whole prompt in the step that gives its first token), not as
+the tokens the forward ran (`LLMEngine.stats.num_batched_tokens` has those).
+
+Each app has its own `CollectorRegistry`, so two servers in one process (a notebook, the
+tests) never mix their counts. Latencies come from the engine's own timestamps
+(`RequestOutput.metrics`, one clock), observed as outputs come out of each step; the gauges
+and the prefix-cache counters are read from the engine when `/metrics` is scraped.
 """
 
 from __future__ import annotations
@@ -41,6 +57,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from minillm.outputs import RequestOutput
+from minillm.sampling_params import SamplingParams
 
 # vLLM's buckets (seconds)
 TTFT_BUCKETS_S = (
@@ -58,6 +75,8 @@ REQUEST_LATENCY_BUCKETS_S = (
 
 
 N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+ENGINE_INDEX = "0"  # vLLM's `engine` label: which engine core (data-parallel rank)
 
 
 def buckets_1_2_5(limit: int) -> list[int]:
@@ -79,7 +98,7 @@ class EngineStateCollector:
         self.model_name = model_name
 
     def collect(self):
-        engine, labels = self.engine, [self.model_name]
+        engine, labels = self.engine, [self.model_name, ENGINE_INDEX]
         scheduler, kv = engine.scheduler, engine.kv_cache_manager
         for name, doc, value in (
             ("vllm:num_requests_running", "Requests in the running batch.",
@@ -88,7 +107,7 @@ class EngineStateCollector:
              len(scheduler.waiting)),
             ("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", kv.usage),
         ):  # fmt: skip
-            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge = GaugeMetricFamily(name, doc, labels=LABEL_NAMES)
             gauge.add_metric(labels, value)
             yield gauge
         stats = kv.prefix_cache_stats
@@ -100,9 +119,35 @@ class EngineStateCollector:
             ("vllm:num_preemptions", "Preemptions since the engine started.",
              scheduler.num_preemptions),
         ):  # fmt: skip
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter = CounterMetricFamily(name, doc, labels=LABEL_NAMES)
             counter.add_metric(labels, value)
             yield counter
+        info = cache_config_info(engine)
+        gauge = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
+        )
+        gauge.add_metric(list(info.values()), 1)
+        yield gauge
+
+
+def cache_config_info(engine) -> dict[str, str]:
+    """vllm:cache_config_info's labels: vLLM's CacheConfig field names, str() of the values."""
+    args = engine.engine_args
+    return {
+        "block_size": str(args.block_size),
+        "cache_dtype": str(args.kv_cache_dtype),
+        "calculate_kv_scales": str(args.calculate_kv_scales),
+        "enable_prefix_caching": str(args.enable_prefix_caching),
+        "gpu_memory_utilization": str(args.gpu_memory_utilization),
+        "kv_cache_memory_bytes": str(args.kv_cache_memory_bytes),
+        "num_cpu_blocks": str(None),  # no KV blocks are kept in CPU memory
+        "num_gpu_blocks": str(engine.kv_cache_manager.block_pool.num_blocks),
+        "num_gpu_blocks_override": str(args.num_gpu_blocks),
+        "engine": ENGINE_INDEX,
+    }
+
+
+LABEL_NAMES = ["model_name", "engine"]
 
 
 class ServerMetrics:
@@ -110,10 +155,10 @@ class ServerMetrics:
 
     def __init__(self, engine, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        labels = {"labelnames": ["model_name"], "registry": self.registry}
+        labels = {"labelnames": LABEL_NAMES, "registry": self.registry}
 
         def histogram(name: str, doc: str, buckets):
-            return Histogram(name, doc, buckets=buckets, **labels).labels(model_name)
+            return Histogram(name, doc, buckets=buckets, **labels).labels(model_name, ENGINE_INDEX)
 
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds", "Time to first token (s).", TTFT_BUCKETS_S
@@ -162,6 +207,16 @@ class ServerMetrics:
         self.params_n = histogram(
             "vllm:request_params_n", "Completions asked for (n), per finished request.", N_BUCKETS
         )
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
+        )
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Prompt tokens per finished request.", token_buckets
         )
@@ -170,20 +225,38 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens of requests that prefilled.", **labels
-        ).labels(model_name)
+        ).labels(model_name, ENGINE_INDEX)
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Output tokens sampled.", **labels
-        ).labels(model_name)
+        ).labels(model_name, ENGINE_INDEX)
         self.request_success = Counter(
             "vllm:request_success",
             "Finished requests by finished_reason.",
-            labelnames=["model_name", "finished_reason"],
+            labelnames=[*LABEL_NAMES, "finished_reason"],
             registry=self.registry,
         )
         self.model_name = model_name
         self.registry.register(EngineStateCollector(engine, model_name))
         # per request in flight: (token times seen, output tokens seen)
         self._seen: dict[str, tuple[int, int]] = {}
+        self._max_tokens: dict[str, int] = {}  # per request added and not finished
+
+    def added(self, request_id: str, params: SamplingParams) -> None:
+        """A request the engine took (called in the engine thread, before its first step)."""
+        self._max_tokens[request_id] = params.max_tokens
+
+    def observe_step(self, outputs: list[RequestOutput]) -> None:
+        """Record one engine step's outputs (vLLM's IterationStats: the step's tokens are the
+        prompts of the requests it gave a first token, plus the tokens it sampled)."""
+        tokens = 0
+        for output in outputs:
+            times_seen, tokens_seen = self._seen.get(output.request_id, (0, 0))
+            if times_seen == 0 and output.metrics.token_times:
+                tokens += len(output.prompt_token_ids)
+            tokens += sum(len(c.token_ids) for c in output.outputs) - tokens_seen
+            self.observe(output)
+        if outputs:
+            self.iteration_tokens.observe(tokens)
 
     def observe(self, output: RequestOutput) -> None:
         """Record what this output adds to its request (called once per output, in order)."""
@@ -201,6 +274,9 @@ class ServerMetrics:
             self._seen[output.request_id] = (len(times), num_tokens)
             return
         self._seen.pop(output.request_id, None)
+        max_tokens = self._max_tokens.pop(output.request_id, None)
+        if max_tokens:
+            self.params_max_tokens.observe(max_tokens)
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
         if m.tpot_s is not None:
@@ -219,12 +295,12 @@ class ServerMetrics:
         self.request_generation_tokens.observe(num_tokens)
         reasons = {c.finish_reason for c in output.outputs}
         reason = "abort" if "abort" in reasons or output.error else sorted(reasons)[0]
-        self.request_success.labels(self.model_name, reason).inc()
+        self.request_success.labels(self.model_name, ENGINE_INDEX, reason).inc()
 
     @property
     def num_tracked(self) -> int:
         """Requests whose progress is remembered (in flight); 0 when the server is idle."""
-        return len(self._seen)
+        return len(self._seen.keys() | self._max_tokens.keys())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

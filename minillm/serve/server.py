@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import threading
 import time
@@ -76,6 +77,7 @@ def make_server_app(
     lora_modules: dict[str, str] | list[str] | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     allowed_origins: list[str] | None = None,
+    allowed_hosts: list[str] | None = None,
     **engine_args,
 ) -> ServerApp:
     """The app for `model`: an `LLM`, an `LLMEngine`, or a model directory or bundled name
@@ -87,7 +89,9 @@ def make_server_app(
     clients select by `model` ({name: path}, or vLLM's "name=path" strings), for an engine
     with enable_lora=True; each is loaded and checked now. max_request_body_bytes: a larger
     body is answered 413 unread. allowed_origins: web origins allowed to call from a
-    browser (CORS; None: none)."""
+    browser (CORS; None: none). allowed_hosts: host names the server answers to besides
+    localhost and IP addresses (a Host header naming another is refused with 400: DNS
+    rebinding); "*" for any."""
     from minillm.llm import LLM
 
     if rate_limiter is None and rate_limit_tokens_per_minute is not None:
@@ -121,7 +125,9 @@ def make_server_app(
         served_llm._hand_over(f"the minillm server {name!r}")
     try:
         metrics = ServerMetrics(engine, name)
-        async_engine = AsyncEngine(engine, max_waiting_requests, metrics.observe, lock)
+        async_engine = AsyncEngine(
+            engine, max_waiting_requests, metrics.observe_step, lock, metrics.added
+        )
         chat_template = ChatTemplate.from_model_dir(engine.tokenizer.path.parent)
         app = build_app(
             async_engine,
@@ -133,6 +139,7 @@ def make_server_app(
             adapters,
             max_request_body_bytes,
             allowed_origins,
+            allowed_hosts,
         )
     except BaseException:
         if served_llm is not None:
@@ -218,6 +225,14 @@ def draining_server(parts: ServerApp, shutdown_timeout: float, **config):
     return DrainingServer(config)
 
 
+def with_bound_host(options: dict, host: str) -> dict:
+    """`options` with the host the server binds to among its allowed host names."""
+    allowed = options.get("allowed_hosts")
+    if allowed is not None and "*" in allowed:
+        return options
+    return {**options, "allowed_hosts": [*(allowed or []), host]}
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -240,7 +255,7 @@ def start_server(
     shutdown_timeout: seconds running requests may go on once `stop` is called."""
     sock = bind_socket(host, port)  # first: a port in use fails before the model loads
     try:
-        parts = make_server_app(model, **options)
+        parts = make_server_app(model, **with_bound_host(options, host))
         server = draining_server(parts, shutdown_timeout, log_level=log_level, access_log=False)
     except BaseException:
         sock.close()
@@ -271,6 +286,14 @@ def run_server(model=None, **options) -> Iterator[RunningServer]:
         server.stop()
 
 
+class Terminated(Exception):
+    """SIGTERM, raised once uvicorn has drained and handed the signal back."""
+
+
+def raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
 def serve_forever(
     model=None,
     *,
@@ -281,10 +304,12 @@ def serve_forever(
     **options,
 ) -> None:
     """Serve in the foreground until SIGTERM or Ctrl-C (what `minillm serve` runs); the
-    port is bound before the model loads, so that a port in use fails at once."""
+    port is bound before the model loads, so that a port in use fails at once. Either
+    signal drains (see draining_server), closes the engine and returns: the command exits
+    with status 0 after a drain, as after Ctrl-C."""
     sock = bind_socket(host, port)
     try:
-        parts = make_server_app(model, **options)
+        parts = make_server_app(model, **with_bound_host(options, host))
     except BaseException:
         sock.close()
         raise
@@ -295,8 +320,16 @@ def serve_forever(
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         url = f"http://{shown}:{bound_port}"
         print(f"minillm serve: {parts.served_model_name} on {url}", flush=True)
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down
+        # uvicorn catches the signals while it runs and raises them again once it has shut
+        # down: SIGTERM's default action would then end the process before the engine closes
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, raise_terminated) if main else None
+        try:
+            server.run(sockets=[sock])
+        finally:
+            if main:
+                signal.signal(signal.SIGTERM, previous)
+    except (KeyboardInterrupt, Terminated):  # raised again by uvicorn once it has shut down
         pass
     finally:
         sock.close()

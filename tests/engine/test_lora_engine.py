@@ -19,7 +19,7 @@ from minillm import LLM, LoRARequest, SamplingParams
 from minillm.engine.args import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.model.loader import load_model
-from minillm.model.lora import LoRAManager, save_lora_adapter
+from minillm.model.lora import LoRAManager, LoRASlotsBusy, save_lora_adapter
 
 PROMPTS = [[5, 17, 42, 9, 77, 3, 11], [8, 8, 120, 33, 4, 61, 2], [90, 14, 15, 16, 200, 7, 19]]
 
@@ -197,7 +197,7 @@ def test_bad_lora_requests_refused_where_they_enter(tiny_dir, adapters, tmp_path
     assert list(llm.engine.lora_manager.adapters) == [9]
     # ... and is refused while an unfinished request still needs the one loaded
     llm.engine.add_request("holds", PROMPTS[1], params, lora_request=other)
-    with pytest.raises(ValueError, match="max_cpu_loras=1 adapters are loaded and unfinished"):
+    with pytest.raises(LoRASlotsBusy, match="all max_cpu_loras=1 loaded adapters"):
         llm.engine.add_request("refused", PROMPTS[2], params, lora_request=adapters["attn"][0])
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
@@ -249,7 +249,7 @@ def test_the_least_recently_used_idle_adapter_is_evicted(tiny_dir, adapters, tmp
     # an adapter in use is kept even when it is the least recent
     manager.add_lora(b, in_use={1})
     assert list(manager.adapters) == [1, 2]
-    with pytest.raises(ValueError, match="unfinished requests use each of them"):
+    with pytest.raises(LoRASlotsBusy, match="are used by unfinished requests"):
         manager.add_lora(c, in_use={1, 2})
 
 
@@ -350,3 +350,43 @@ def test_a_corrupt_adapter_is_a_value_error(
         llm.generate([PROMPTS[0]], lora_request=LoRARequest("corrupt", 3, str(corrupt)))
     [out] = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_more_adapters_than_max_cpu_loras_in_one_call_are_served_in_turn(
+    tiny_dir, adapters, tmp_path
+):
+    """One generate call over three adapters on an engine that keeps one loaded: the
+    requests whose adapter cannot be loaded yet wait and are added as the others finish;
+    each gets its merged model's greedy tokens, and the engine is left clean."""
+    from tests.faults.invariants import assert_healthy
+
+    llm = LLM(tiny_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
+    a, b = adapters["attn"][0], adapters["all"][0]
+    c = LoRARequest("c", 3, a.lora_path)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    prompts = [*PROMPTS, PROMPTS[0], PROMPTS[1]]
+    loras = [a, b, c, None, b]
+    outputs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    oracle = {
+        None: load_model(tiny_dir, "float32").model,
+        "attn": merged_model(tiny_dir, *adapters["attn"][1:]),
+        "c": merged_model(tiny_dir, *adapters["attn"][1:]),
+        "all": merged_model(tiny_dir, *adapters["all"][1:]),
+    }
+    for output, prompt, lora in zip(outputs, prompts, loras, strict=True):
+        model = oracle[None if lora is None else lora.lora_name]
+        assert output.error is None
+        assert list(output.outputs[0].token_ids) == greedy_reference(model, prompt, 5)
+    # a bad adapter among those held back is refused at once, and nothing of the call runs
+    gone = LoRARequest("gone", 7, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="not a LoRA adapter directory"):
+        llm.generate(PROMPTS, params, lora_request=[a, b, gone], use_tqdm=False)
+    # so is a bad prompt among them (a token outside the vocabulary)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        llm.generate([PROMPTS[0], PROMPTS[1], [10**6]], params, lora_request=[a, b, None])
+    assert not llm.engine.scheduler.requests  # the ones added first were withdrawn
+    llm.engine.step()  # which reports them as aborted, to nobody
+    probe_prompt = [4, 5, 6]
+    fresh = LLM(tiny_dir, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
+    [expected] = fresh.generate([probe_prompt], params, use_tqdm=False)
+    assert_healthy(llm, [list(expected.outputs[0].token_ids)], probe_prompt, params)

@@ -53,6 +53,9 @@ def leftovers(target: LLM | LLMEngine) -> list[str]:
     ):
         if value:
             found.append(f"{name}: {sorted(map(str, value))[:10]}")
+    for name in ("_plan_lengths", "_plan_generators"):
+        if getattr(engine, name):
+            found.append(f"engine.{name}: plans neither processed nor put back")
     if engine._in_flight is not None:
         found.append("a step is still in flight (async scheduling)")
     if engine.has_unfinished_requests():

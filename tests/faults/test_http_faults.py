@@ -117,7 +117,8 @@ def whole_answer_abandoned(server):
     raw = json.dumps({**LONG, "max_tokens": 200}).encode()
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
             + f"Content-Length: {len(raw)}\r\n\r\n".encode()
             + raw
         )
@@ -132,10 +133,24 @@ def body_cut_short(server):
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
             b'Content-Length: 1000\r\n\r\n{"prompt": "abc'
         )
     return True
+
+
+def foreign_host(server):
+    """A page whose own domain name resolves to this machine (DNS rebinding): its requests
+    name that domain in Host, and are refused before their body is read."""
+    headers = {"content-type": "application/json", "host": "attacker.example:8000"}
+    answers = [
+        httpx.post(server.url + "/v1/completions", json=LONG, headers=headers, timeout=60),
+        httpx.get(server.url + "/v1/models", headers=headers, timeout=60),
+        httpx.get(server.url + "/metrics", headers=headers, timeout=60),
+    ]
+    codes = [(r.status_code, r.json()["error"]["code"]) for r in answers]
+    return codes == [(400, "invalid_host")] * 3
 
 
 def chat_stream_dropped_after_the_role(server):
@@ -155,6 +170,7 @@ ATTACKS = [
     stream_dropped_midway,
     whole_answer_abandoned,
     body_cut_short,
+    foreign_host,
     chat_stream_dropped_after_the_role,
 ]
 

@@ -32,8 +32,29 @@ def client(server):
     return openai.OpenAI(base_url=server.base_url, api_key="-", max_retries=0)
 
 
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=120)
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def body(path: str, **fields) -> dict:
+    """A body for the endpoint at `path`: one user message (chat) or the prompt "x", two
+    tokens at most, then `fields` (which may replace those)."""
+    base = {"messages": MESSAGES} if path == CHAT else {"prompt": "x"}
+    return {**base, "max_tokens": 2, **fields}
+
+
+def post(server, path: str, **fields) -> httpx.Response:
+    return httpx.post(server.url + path, json=body(path, **fields), timeout=120)
+
+
+def chat(server, client, **options):
+    """The openai client's chat call on MESSAGES, greedy unless `options` say otherwise."""
+    return client.chat.completions.create(
+        model=server.parts.served_model_name, messages=MESSAGES, **{"temperature": 0, **options}
+    )
+
+
+def complete(server, client, **options):
+    return client.completions.create(model=server.parts.served_model_name, **options)
 
 
 NULLABLE = ["n", "stream", "max_tokens", "temperature", "top_p", "stop", "seed", "user"]
@@ -41,16 +62,14 @@ NULLABLE = ["n", "stream", "max_tokens", "temperature", "top_p", "stop", "seed",
 
 @pytest.mark.parametrize("field", [*NULLABLE, "logprobs", "top_logprobs", "stream_options"])
 def test_chat_takes_null_for_a_nullable_field(server, field):
-    body = {"messages": MESSAGES, "max_tokens": 2, field: None}
-    response = post(server, "/v1/chat/completions", body)
+    response = post(server, CHAT, **{field: None})
     assert response.status_code == 200, response.text
     assert response.json()["object"] == "chat.completion"  # stream: null is not a stream
 
 
 @pytest.mark.parametrize("field", [*NULLABLE, "echo", "logprobs", "suffix", "best_of"])
 def test_completions_take_null_for_a_nullable_field(server, field):
-    body = {"prompt": "x", "max_tokens": 2, field: None}
-    response = post(server, "/v1/completions", body)
+    response = post(server, COMPLETIONS, **{field: None})
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 1  # n: null is one completion
 
@@ -73,18 +92,16 @@ NEUTRAL = [
 
 @pytest.mark.parametrize(("field", "value"), NEUTRAL)
 def test_chat_takes_the_neutral_value_of_a_field_it_does_not_implement(server, field, value):
-    body = {"messages": MESSAGES, "max_tokens": 3, "temperature": 0, field: value}
-    response = post(server, "/v1/chat/completions", body)
+    response = post(server, CHAT, max_tokens=3, temperature=0, **{field: value})
     assert response.status_code == 200, response.text
-    plain = post(server, "/v1/chat/completions", {**body, field: None})
+    plain = post(server, CHAT, max_tokens=3, temperature=0, **{field: None})
     content = response.json()["choices"][0]["message"]["content"]
     assert content == plain.json()["choices"][0]["message"]["content"]  # a no-op
 
 
 @pytest.mark.parametrize("best_of", [1, 2])
 def test_completions_take_best_of_equal_to_n(server, best_of):
-    body = {"prompt": "x", "max_tokens": 2, "n": best_of, "best_of": best_of}
-    response = post(server, "/v1/completions", body)
+    response = post(server, COMPLETIONS, n=best_of, best_of=best_of)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == best_of
 
@@ -92,23 +109,22 @@ def test_completions_take_best_of_equal_to_n(server, best_of):
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [
-        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("/v1/chat/completions", "tool_choice", "required"),
-        ("/v1/chat/completions", "logit_bias", {"5": 10}),
-        ("/v1/chat/completions", "store", True),
-        ("/v1/chat/completions", "modalities", ["text", "audio"]),
-        ("/v1/chat/completions", "top_logprobs", 2),  # without logprobs: true
-        ("/v1/completions", "best_of", 3),
-        ("/v1/completions", "suffix", "}"),
-        ("/v1/completions", "logit_bias", {"5": -100}),
-        ("/v1/completions", "n", 0),
+        (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
+        (CHAT, "tool_choice", "required"),
+        (CHAT, "logit_bias", {"5": 10}),
+        (CHAT, "store", True),
+        (CHAT, "modalities", ["text", "audio"]),
+        (CHAT, "top_logprobs", 2),  # without logprobs: true
+        (COMPLETIONS, "best_of", 3),
+        (COMPLETIONS, "suffix", "}"),
+        (COMPLETIONS, "logit_bias", {"5": -100}),
+        (COMPLETIONS, "n", 0),
     ],
 )
 def test_a_value_that_asks_for_something_missing_is_a_400_naming_the_field(
     server, path, field, value
 ):
-    base = {"messages": MESSAGES} if "chat" in path else {"prompt": "x"}
-    response = post(server, path, {**base, "max_tokens": 2, field: value})
+    response = post(server, path, **{field: value})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field
@@ -116,8 +132,7 @@ def test_a_value_that_asks_for_something_missing_is_a_400_naming_the_field(
 
 
 def test_chat_top_logprobs_past_the_limit_names_top_logprobs(server):
-    body = {"messages": MESSAGES, "max_tokens": 2, "logprobs": True, "top_logprobs": 30}
-    response = post(server, "/v1/chat/completions", body)
+    response = post(server, CHAT, logprobs=True, top_logprobs=30)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "top_logprobs"
@@ -142,21 +157,16 @@ def valid(value: object) -> bool:
 
 
 def test_chat_response_format_json_schema_returns_valid_json(server, client):
-    response = client.chat.completions.create(
-        model=server.parts.served_model_name,
-        messages=MESSAGES,
-        max_tokens=40,
-        temperature=0,
-        response_format=json_schema_format(SCHEMA),
-    )
+    response = chat(server, client, max_tokens=40, response_format=json_schema_format(SCHEMA))
     choice = response.choices[0]
     assert choice.finish_reason == "stop"
     assert valid(json.loads(choice.message.content))
 
 
 def test_completions_response_format_json_schema_returns_valid_json(server, client):
-    response = client.completions.create(
-        model=server.parts.served_model_name,
+    response = complete(
+        server,
+        client,
         prompt="box = ",
         max_tokens=40,
         temperature=0.8,
@@ -171,26 +181,15 @@ def test_completions_response_format_json_schema_returns_valid_json(server, clie
 
 
 def test_a_streamed_chat_with_a_schema_joins_to_valid_json(server, client):
-    stream = client.chat.completions.create(
-        model=server.parts.served_model_name,
-        messages=MESSAGES,
-        max_tokens=40,
-        temperature=0,
-        stream=True,
-        response_format=json_schema_format(SCHEMA),
+    stream = chat(
+        server, client, max_tokens=40, stream=True, response_format=json_schema_format(SCHEMA)
     )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert valid(json.loads(text))
 
 
 def test_json_object_returns_a_json_object(server, client):
-    response = client.chat.completions.create(
-        model=server.parts.served_model_name,
-        messages=MESSAGES,
-        max_tokens=60,
-        temperature=0,
-        response_format={"type": "json_object"},
-    )
+    response = chat(server, client, max_tokens=60, response_format={"type": "json_object"})
     choice = response.choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(json.loads(choice.message.content), dict)
@@ -207,8 +206,9 @@ def test_json_object_returns_a_json_object(server, client):
     ],
 )
 def test_vllm_structured_outputs_constrain_the_completion(server, client, constraint, check):
-    response = client.completions.create(
-        model=server.parts.served_model_name,
+    response = complete(
+        server,
+        client,
         prompt="x = ",
         max_tokens=40,
         temperature=0,
@@ -236,7 +236,7 @@ def test_vllm_structured_outputs_constrain_the_completion(server, client, constr
     ],
 )
 def test_a_constraint_the_engine_cannot_serve_is_a_400(server, extra, param, words):
-    response = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, **extra})
+    response = post(server, COMPLETIONS, **extra)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == (param or "structured_outputs")
@@ -247,8 +247,8 @@ def test_a_constraint_the_engine_cannot_serve_is_a_400(server, extra, param, wor
 def test_completions_top_logprobs_hold_the_sampled_token(server, k):
     """Sampling at a high temperature picks tokens outside the top k; each position's
     top_logprobs still holds the sampled token with its own logprob, beside the k best."""
-    body = {"prompt": "x", "max_tokens": 12, "temperature": 5.0, "seed": 1, "logprobs": k}
-    logprobs = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    response = post(server, COMPLETIONS, max_tokens=12, temperature=5.0, seed=1, logprobs=k)
+    logprobs = response.json()["choices"][0]["logprobs"]
     positions = zip(
         logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
     )

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from minillm.serve import run_server
+from minillm.serve.metrics import ENGINE_INDEX
 from tests.serve.conftest import pool_is_empty
 
 LONG = {"prompt": "def main():", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
@@ -31,7 +32,8 @@ def server(llm):
 
 
 def aborted_count(server) -> float:
-    sample = server.metrics.request_success.labels(server.parts.served_model_name, "abort")
+    name = server.parts.served_model_name
+    sample = server.metrics.request_success.labels(name, ENGINE_INDEX, "abort")
     return sample._value.get()
 
 

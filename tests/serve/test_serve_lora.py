@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import time
 
 import httpx
 import pytest
@@ -58,10 +59,45 @@ def test_an_adapter_is_selected_by_model_name(adapter_dir):
         assert base.json()["choices"][0]["text"] == without.outputs[0].text
         models = httpx.get(server.url + "/v1/models").json()["data"]
         assert [(m["id"], m.get("parent")) for m in models] == [("base", None), ("attn", "base")]
+        # no path of the server's filesystem: the directory's name, the adapter's name
+        assert [m["root"] for m in models] == [model_dir.name, "attn"]
+        listing = httpx.get(server.url + "/v1/models").text
+        assert str(path.parent) not in listing and str(model_dir.parent) not in listing
         missing = complete(server, "other")
         assert missing.status_code == 404
         assert "'base', 'attn'" in json.loads(missing.text)["error"]["message"]
         assert complete(server, "attn").status_code == 200  # still serving
+
+
+def test_an_adapter_that_finds_every_slot_busy_is_a_503_to_retry(adapter_dir):
+    """max_cpu_loras=1 and two adapters: while a stream runs on one, a request for the other
+    cannot load it; it is answered 503 with Retry-After (not the client's fault), and served
+    once the stream is done."""
+    model_dir, path = adapter_dir
+    options = dict(dtype="float32", enable_lora=True, max_lora_rank=4, max_loras=1)
+    modules = [f"one={path}", f"two={path}"]
+    with run_server(model_dir, port=0, lora_modules=modules, **options) as server:
+        step = server.engine.step
+
+        def slow_step():  # the tiny model would finish the stream before the second request
+            time.sleep(0.05)
+            return step()
+
+        server.engine.step = slow_step
+        body = {"model": "one", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+        url = server.url + "/v1/completions"
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()  # kept: a dropped line iterator closes the stream
+            next(line for line in lines if line.startswith("data: {"))
+            busy = complete(server, "two")
+        assert busy.status_code == 503, busy.text
+        assert busy.headers["retry-after"] == "1"
+        error = busy.json()["error"]
+        assert error["code"] == "lora_slots_busy" and "max_cpu_loras=1" in error["message"]
+        deadline = time.monotonic() + 30  # the stream's abort reaches the engine thread
+        while server.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert complete(server, "two").status_code == 200
 
 
 def test_bad_lora_modules_are_refused_where_they_enter(adapter_dir, tmp_path):

@@ -18,6 +18,7 @@ import pytest
 
 from minillm.serve import run_server
 from minillm.serve.chat_template import ChatTemplate
+from minillm.serve.metrics import ENGINE_INDEX
 from tests.serve.conftest import greedy, pool_is_empty
 
 PROMPTS = [
@@ -207,9 +208,11 @@ def test_soak(llm, references):
             assert wait_until(lambda: pool_is_empty(server.engine))
             assert wait_until(lambda: server.parts.async_engine.num_streams == 0)
             assert server.metrics.num_tracked == 0
-            done = sum(finished.labels(name, r)._value.get() for r in ("length", "stop"))
+            done = sum(
+                finished.labels(name, ENGINE_INDEX, r)._value.get() for r in ("length", "stop")
+            )
             assert done == NUM_VALID * (round_index + 1)
-            aborted = finished.labels(name, "abort")._value.get()
+            aborted = finished.labels(name, ENGINE_INDEX, "abort")._value.get()
             assert NUM_DROPPED * (round_index + 1) <= aborted
             assert aborted <= (NUM_DROPPED + NUM_GIVE_UP) * (round_index + 1)
             assert httpx.get(server.url + "/health").status_code == 200

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from minillm.serve import run_server
 
 # vLLM v0.11's buckets (vllm/v1/metrics/loggers.py), typed from its source
+VLLM_ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0]
 VLLM_TTFT_BUCKETS += [2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 VLLM_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0]
@@ -26,7 +27,7 @@ def scrape(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics").text
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            labels = {k: v for k, v in s.labels.items() if k not in ("model_name", "engine")}
             key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}")
             samples[key if labels else s.name] = s.value
     return samples
@@ -118,3 +119,45 @@ def test_the_phase_histograms_split_each_request_as_vllms_dashboard_reads_them(r
     # the longest completion of each request: 5, 7, 3 (n=2, both 3), 4 and 4
     assert samples["vllm:request_max_num_generation_tokens_sum"] == 5 + 7 + 3 + 4 + 4
     assert samples["vllm:request_params_n_sum"] == 1 + 1 + 2 + 1 + 1
+
+
+def test_max_tokens_and_tokens_per_step_are_counted_as_vllm_counts_them(run):
+    """request_params_max_tokens: each finished request's max_tokens; iteration_tokens_total:
+    per step, the prompts of the requests it gave a first token plus the tokens it sampled,
+    so that over the run it sums to every prompt token plus every output token."""
+    samples, usages, _ = run
+    assert samples["vllm:request_params_max_tokens_count"] == 5
+    assert samples["vllm:request_params_max_tokens_sum"] == 5 + 7 + 3 + 4 + 4
+    total = sum(u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    assert samples["vllm:iteration_tokens_total_sum"] == total
+    steps = samples["vllm:iteration_tokens_total_count"]
+    assert 7 <= steps < total  # the longest request ran 7 steps; steps batch several tokens
+    prefix = "vllm:iteration_tokens_total_bucket{le="
+    bounds = sorted(float(k[len(prefix) : -1]) for k in samples if k.startswith(prefix))
+    assert bounds == [*VLLM_ITERATION_TOKENS_BUCKETS, math.inf]
+
+
+def test_every_series_has_vllms_labels_and_cache_config_info_the_pools_size(reference_llm):
+    llm = reference_llm  # the module's server holds `llm`
+    with run_server(llm, port=0, served_model_name="m") as server:
+        text = httpx.get(server.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for family in families.values():
+        if family.name.startswith("vllm:") and family.name != "vllm:cache_config_info":
+            for sample in family.samples:
+                assert sample.labels["model_name"] == "m" and sample.labels["engine"] == "0"
+    [info] = families["vllm:cache_config_info"].samples
+    assert info.value == 1
+    args = llm.engine.engine_args
+    assert info.labels == {
+        "block_size": str(args.block_size),
+        "cache_dtype": "auto",
+        "calculate_kv_scales": "False",
+        "enable_prefix_caching": str(args.enable_prefix_caching),
+        "gpu_memory_utilization": str(args.gpu_memory_utilization),
+        "kv_cache_memory_bytes": "None",
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(llm.engine.kv_cache_manager.block_pool.num_blocks),
+        "num_gpu_blocks_override": "None",
+        "engine": "0",
+    }
