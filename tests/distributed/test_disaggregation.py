@@ -88,6 +88,9 @@ def test_mixed_load_latencies_are_measured(disaggregated):
     assert summary.num_itl == 4 * (5 - 1)
     assert 0 < summary.ttft_median_s <= summary.ttft_max_s
     assert 0 < summary.itl_median_s <= summary.itl_max_s
+    # the decoders' gaps are a subset of all gaps; long prompts were prefilled
+    assert 0 < summary.decode_itl_median_s <= summary.decode_itl_max_s <= summary.itl_max_s
+    assert summary.long_prefill_max_s > 0
     records = disaggregated.engine.executor.kv_transfer_records()
     assert len(records) == 4 and summary.kv_transfer_bytes == sum(r.num_bytes for r in records)
 
