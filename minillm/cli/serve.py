@@ -29,11 +29,14 @@ ENGINE_OPTIONS = (
     ("max-loras", int, "most LoRA adapters in one batch"),
     ("max-lora-rank", int, "highest rank of a LoRA adapter"),
     ("max-cpu-loras", int, "LoRA adapters kept loaded (default: max-loras)"),
+    ("tensor-parallel-size", int, "worker processes the model's heads and widths are split over"),
+    ("pipeline-parallel-size", int, "worker processes the model's layers are split over"),
 )
 ENGINE_FLAGS = (
     ("enable-prefix-caching", "reuse the KV of shared prompt prefixes"),
     ("enable-chunked-prefill", "split long prompts over several steps"),
     ("enable-lora", "serve LoRA adapters beside the base model"),
+    ("enable-expert-parallel", "with tensor parallelism: spread MoE experts whole over ranks"),
 )
 
 

@@ -6,6 +6,9 @@ between the waiting queue and the running batch; its status says where it is:
 
     WAITING -> RUNNING -> FINISHED_*          (the usual life)
     RUNNING -> PREEMPTED -> RUNNING           (blocks ran out; its KV is recomputed later)
+    RUNNING -> WAITING_FOR_REMOTE_KVS -> RUNNING
+                      (disaggregation: its prompt ran on the prefill instance; its first
+                       token and KV are on their way to the decode instance)
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # vLLM V1's name: KV still in transfer
     FINISHED_STOPPED = enum.auto()  # a stop token, EOS or stop string
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len
     FINISHED_ABORTED = enum.auto()

@@ -33,6 +33,14 @@ still runs: `schedule_ahead` advances the requests of the step in flight as if i
 with a placeholder (`PLACEHOLDER_TOKEN_ID`) for every token it is still sampling, and plans from
 there; `update_from_output` then puts the sampled tokens in the placeholders' place. While a
 forward runs, the blocks of the requests it reads are not given back (`forward_done`).
+
+Prefill/decode disaggregation (`remote_prefill=True`) plans for a decode instance whose
+prompts run elsewhere: a prompt's last chunk samples its first token on the prefill instance,
+which then sends the request's KV over. After that step the request waits, holding its blocks,
+in the state vLLM V1's scheduler calls `WAITING_FOR_REMOTE_KVS`, outside the running batch, so
+that the steps go on for everyone else; `update_from_remote_kvs` brings it back, its first
+token appended, once the KV has landed. A request aborted while its KV is in transfer keeps
+its blocks until the transfer is over (the transfer writes into them), then gives them back.
 """
 
 from __future__ import annotations
@@ -195,6 +203,7 @@ class Scheduler:
         batching_type: str = "continuous",
         num_lookahead_tokens: int = 0,
         max_loras: int | None = None,
+        remote_prefill: bool = False,
     ) -> None:
         check_scheduler_options(
             max_num_seqs,
@@ -230,6 +239,12 @@ class Scheduler:
         self.in_flight_ids: set[str] = set()
         self.held_blocks: list[list[KVCacheBlock]] = []
         self._planning_ahead = False
+        # disaggregation: prompts' last chunks sample on the prefill instance, whose KV and
+        # first token arrive later (update_from_remote_kvs); the sequences waiting for theirs,
+        # and the finished (aborted) ones whose blocks a transfer still writes into
+        self.remote_prefill = remote_prefill
+        self.waiting_for_remote_kvs: dict[str, Request] = {}  # by sequence id
+        self.finished_awaiting_kvs: dict[str, list[list[KVCacheBlock]]] = {}
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -238,12 +253,14 @@ class Scheduler:
         self.requests[request.request_id] = request
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_remote_kvs)
 
     @property
     def num_running_seqs(self) -> int:
-        """Seats taken: a running request with n > 1 holds seats for its forks to come."""
-        return sum(request.num_seqs for request in self.running)
+        """Seats taken: a running request with n > 1 holds seats for its forks to come, and
+        a sequence waiting for its KV holds its seat."""
+        running = sum(request.num_seqs for request in self.running)
+        return running + len(self.waiting_for_remote_kvs)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: running requests first, then waiting ones (chunked prefill)."""
@@ -456,6 +473,9 @@ class Scheduler:
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             if not scheduled.samples:
                 continue
+            if self.remote_prefill and scheduled.phase == "prefill":
+                self._wait_for_remote_kvs(scheduled)
+                continue
             for seq in (request, *scheduled.forks) if scheduled.forks else (request,):
                 if seq.status.is_finished:
                     continue
@@ -471,6 +491,47 @@ class Scheduler:
                 progressed.append(seq)
                 if check_stop(seq, self.max_model_len):
                     finished.append(seq)
+        if finished:
+            self._free_finished(finished, now)
+        return progressed
+
+    def _wait_for_remote_kvs(self, scheduled: ScheduledRequest) -> None:
+        """A prompt's last chunk ran on the prefill instance: its sequences leave the running
+        batch, holding their blocks and seats, until their KV and first tokens arrive."""
+        for seq in scheduled.sampling_seqs:
+            if seq.status.is_finished:
+                continue
+            seq.num_computed_tokens = scheduled.request.num_computed_tokens
+            self.running.remove(seq)
+            seq.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.waiting_for_remote_kvs[seq.request_id] = seq
+
+    def update_from_remote_kvs(self, arrived: list[tuple[str, SampledToken]]) -> list[Request]:
+        """Disaggregation: the sequences whose KV has landed on this instance, with the first
+        token the prefill instance sampled for each (vLLM V1: `finished_recving`). They rejoin
+        the running batch with that token appended, or finish with it; a sequence that was
+        aborted meanwhile gives its blocks back now that no transfer writes into them.
+        Returns the sequences that got their token."""
+        now = self.clock()
+        progressed: list[Request] = []
+        finished: list[Request] = []
+        for seq_id, token in arrived:  # in transfer order: an id may have been used again
+            held = self.finished_awaiting_kvs.get(seq_id)
+            if held:
+                self.kv_cache_manager.block_pool.free_blocks(reversed(held.pop(0)))
+                if not held:
+                    del self.finished_awaiting_kvs[seq_id]
+                continue
+            seq = self.waiting_for_remote_kvs.pop(seq_id, None)
+            if seq is None:
+                raise ValueError(f"KV arrived for {seq_id!r}, which is not waiting for any")
+            seq.status = RequestStatus.RUNNING
+            seq.append_output_token(token.token_id, token.logprobs)
+            seq.metrics.record_token(now)
+            self.running.append(seq)
+            progressed.append(seq)
+            if check_stop(seq, self.max_model_len):
+                finished.append(seq)
         if finished:
             self._free_finished(finished, now)
         return progressed
@@ -509,6 +570,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue  # already finished
+            in_transfer = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 self.waiting.remove(request)
             for seq in (request, *request.pending_forks):
@@ -516,6 +578,16 @@ class Scheduler:
                 seq.stop_reason = stop_reason
                 seq.metrics.record_finished(now)
             request.pending_forks = []
+            if in_transfer:
+                # the KV transfer still writes into its blocks: they leave the request's
+                # tables now (its id may be used again at once) and the pool when it lands
+                del self.waiting_for_remote_kvs[request_id]
+                self.finished_awaiting_kvs.setdefault(request_id, []).append(
+                    self._take_blocks(request)
+                )
+                del self.requests[request_id]
+                self.finished_req_ids.append(request_id)
+                continue
             to_free.append(request)
         if to_free:
             self._free_finished(to_free, now)
@@ -640,10 +712,14 @@ class Scheduler:
     def _hold_blocks(self, request: Request) -> None:
         """A finished request that the forward in flight still reads: its blocks leave the
         KV-cache manager's tables (its id may be used again at once) but not the pool yet."""
+        self.held_blocks.append(self._take_blocks(request))
+
+    def _take_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """The request's blocks, out of the KV-cache manager's tables but not yet free."""
         manager = self.kv_cache_manager
-        self.held_blocks.append(manager.req_to_blocks.pop(request.request_id, []))
         manager.req_to_block_hashes.pop(request.request_id, None)
         manager._block_ids.pop(request.request_id, None)
+        return manager.req_to_blocks.pop(request.request_id, [])
 
 
 class _WouldPreempt(Exception):

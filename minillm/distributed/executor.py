@@ -8,7 +8,9 @@ parent has initialized it, so GPU ranks start with spawn, which re-imports the s
 module, and a failed start says to add the guard. It waits until every rank has built its
 part, and then stands in for the model runner: `execute_model(plan)` sends the scheduler's
 plan to every rank (the scheduler runs once, here, and its output is broadcast to all ranks)
-and returns the driver rank's sampled tokens.
+and returns the driver rank's sampled tokens. Prefill/decode disaggregation is the exception:
+there the engine hands the prefill rank its chunks without waiting for it, waits for the decode
+rank's step alone, and collects the prefill rank's answers as they come (`take_arrived`).
 
 No wait is unbounded: while it waits for an answer it watches every process, and a rank
 that raised or died makes it stop the others and raise `WorkerError` with the rank's
@@ -22,6 +24,8 @@ then terminates those that do not.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import pickle
 import time
 import weakref
@@ -88,7 +92,19 @@ class MultiprocExecutor:
         self.conns: list[Connection] = []
         self.is_shut_down = False
         self.step_timeout_s = STEP_TIMEOUT_S
-        self._answers: dict[int, object] = {}  # answers that came before they were awaited
+        # answers that came before they were awaited, per rank in order
+        self._answers: dict[int, collections.deque] = {
+            rank: collections.deque() for rank in range(spec.world_size)
+        }
+        # disaggregation: prefill commands rank 0 has not answered (when each was sent), when
+        # it last answered one, and the transfers: first tokens per id (with when they came),
+        # ids landed on rank 1, and what is ready for the scheduler
+        self._prefills_sent: collections.deque[float] = collections.deque()
+        self._last_prefill_answer_s = 0.0
+        self._transfer_ids = itertools.count()
+        self._first_tokens: dict[int, tuple[float, list]] = {}
+        self._landed: set[int] = set()
+        self._pending_finished: list[str] = []
         # 1 while a rank waits in a collective (set by the rank, read here when a step is late)
         self.wait_flags = context.Array("b", spec.world_size, lock=False)
         for rank in range(spec.world_size):
@@ -129,13 +145,72 @@ class MultiprocExecutor:
         return self._receive_all()[self.driver_rank]
 
     def _execute_disaggregated(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
-        """Prefill chunks on the prefill rank, decode steps on the decode rank, at once; the
-        KV of each finished prefill moves between them at the end of the step."""
+        """Hand the prefill chunks to rank 0 without waiting for them, run the decode step on
+        rank 1 and wait for that alone; collect whatever rank 0 answered meanwhile (the first
+        tokens of the prompts it finished) and the transfers rank 1 received (`take_arrived`)."""
         prefill, decode, transfers = split_plan(plan, self.spec.block_size)
-        for rank, part in ((PREFILL_RANK, prefill), (DECODE_RANK, decode)):
-            self._send(rank, pickle.dumps(("execute_model", (part, transfers))))
-        answers = self._receive_all()
-        return {**answers[PREFILL_RANK], **answers[DECODE_RANK]}
+        self._pending_finished += plan.finished_req_ids
+        if prefill.scheduled:
+            tagged = [(next(self._transfer_ids), rid, blocks) for rid, blocks in transfers]
+            prefill.finished_req_ids, self._pending_finished = self._pending_finished, []
+            self._send(PREFILL_RANK, pickle.dumps(("execute_model", (prefill, tagged))))
+            self._prefills_sent.append(time.monotonic())
+        self._send(DECODE_RANK, pickle.dumps(("execute_model", (decode, ()))))
+        try:
+            sampled, landed = self._receive(DECODE_RANK, self.step_timeout_s)
+        except _Late:
+            self._fail(self._stall_report([DECODE_RANK]))
+        self._landed.update(landed)
+        self._take_prefill_answers()
+        self._check_transfers()
+        return sampled
+
+    def _take_prefill_answers(self, wait_for_all: bool = False) -> None:
+        """Rank 0's answers so far (each: first tokens by transfer id), or, with
+        wait_for_all, every one still owed; a rank 0 that answers none within step_timeout_s
+        of the last (or of the command) fails the engine."""
+        while self._prefills_sent:
+            if self._answers[PREFILL_RANK]:
+                answer = self._answers[PREFILL_RANK].popleft()
+            elif wait_for_all:
+                try:
+                    answer = self._receive(PREFILL_RANK, self._prefill_time_left())
+                except _Late:
+                    self._fail(self._stall_report([PREFILL_RANK]))
+            else:
+                if self._prefill_time_left() <= 0:
+                    self._fail(self._stall_report([PREFILL_RANK]))
+                return
+            now = time.monotonic()
+            self._prefills_sent.popleft()
+            self._last_prefill_answer_s = now
+            for transfer_id, tokens in answer.items():
+                self._first_tokens[transfer_id] = (now, tokens)
+
+    def _prefill_time_left(self) -> float:
+        since = max(self._prefills_sent[0], self._last_prefill_answer_s)
+        return since + self.step_timeout_s - time.monotonic()
+
+    def _check_transfers(self) -> None:
+        """A transfer rank 0 finished that has not landed on rank 1 within step_timeout_s
+        fails the engine."""
+        now = time.monotonic()
+        for transfer_id, (sent_s, _) in self._first_tokens.items():
+            if transfer_id not in self._landed and now - sent_s > self.step_timeout_s:
+                self._fail(
+                    f"the KV transfer {transfer_id} from rank {PREFILL_RANK} did not land on "
+                    f"rank {DECODE_RANK} within {self.step_timeout_s:g} s"
+                )
+
+    def take_arrived(self) -> list[tuple[str, SampledToken]]:
+        """Disaggregation: (sequence id, first token) of every request whose KV has landed on
+        the decode rank and whose first token rank 0 has reported, in transfer order."""
+        ready = sorted(t for t in self._first_tokens if t in self._landed)
+        arrived = []
+        for transfer_id in ready:
+            arrived += self._first_tokens.pop(transfer_id)[1]
+            self._landed.discard(transfer_id)
+        return arrived
 
     def kv_transfer_records(self) -> list:
         """Prefill/decode disaggregation: every request's KV transfer (KVTransferRecord)."""
@@ -143,6 +218,7 @@ class MultiprocExecutor:
 
     def call(self, method: str, *args) -> list:
         """Run a `Worker` method on every rank; its results in rank order."""
+        self._take_prefill_answers(wait_for_all=True)  # disaggregation: rank 0's steps first
         self._broadcast(method, *args)
         return self._receive_all()
 
@@ -170,15 +246,12 @@ class MultiprocExecutor:
             try:
                 answers.append(self._receive(rank, max(0.0, deadline - time.monotonic())))
             except _Late:
-                self._fail(self._stall_report(len(answers)))
+                late = range(len(answers), len(self.processes))
+                self._fail(self._stall_report([r for r in late if not self._answers[r]]))
         return answers
 
-    def _stall_report(self, num_received: int) -> str:
-        """Which ranks did not answer in time (ranks below num_received did), and which of
-        them are waiting on the others."""
-        late = [
-            rank for rank in range(num_received, len(self.processes)) if rank not in self._answers
-        ]
+    def _stall_report(self, late: list[int]) -> str:
+        """Which ranks did not answer in time, and which of them are waiting on the others."""
         waiting = [rank for rank in late if self.wait_flags[rank]]
         stalled = [rank for rank in late if not self.wait_flags[rank]]
         limit = f"within {self.step_timeout_s:g} s"
@@ -194,20 +267,21 @@ class MultiprocExecutor:
         """The answer of `rank`, while watching every process: a rank that reports an error
         or dies ends the wait (and all ranks) with WorkerError."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while rank not in self._answers:
-            ready = wait([*self.conns, *(p.sentinel for p in self.processes)], timeout=1.0)
+        while not self._answers[rank]:
+            timeout = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            ready = wait([*self.conns, *(p.sentinel for p in self.processes)], timeout=timeout)
             for other, conn in enumerate(self.conns):
                 if conn in ready:
                     status, value = self._recv(other)
                     if status == "error":
                         self._fail(f"rank {other} failed:\n{value}")
-                    self._answers[other] = value
+                    self._answers[other].append(value)
             for other, process in enumerate(self.processes):
                 if process.sentinel in ready and not self.conns[other].poll():
                     self._fail(f"rank {other} died (exit code {self._exit_code(other)})")
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline and not self._answers[rank]:
                 raise _Late
-        return self._answers.pop(rank)
+        return self._answers[rank].popleft()
 
     def _recv(self, rank: int) -> tuple[str, object]:
         try:

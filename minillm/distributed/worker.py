@@ -15,6 +15,8 @@ import collections
 import dataclasses
 import os
 import pickle
+import queue
+import threading
 import traceback
 from multiprocessing.connection import Connection
 
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from minillm.core.scheduler import SchedulerOutput
-from minillm.distributed.disaggregation import DisaggregatedWorker, KVTransferConfig
+from minillm.distributed.disaggregation import KVTransferConfig, disaggregated_worker
 from minillm.distributed.parallel_state import (
     CollectiveCounts,
     Communicator,
@@ -155,6 +157,23 @@ class Worker:
         return self.runner.kv_caches[0].shape[3]
 
 
+def _read_ahead(conn: Connection):
+    """The commands from the engine's pipe, read by a thread into a queue as they arrive."""
+    commands: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        try:
+            while True:
+                commands.put(conn.recv_bytes())
+        except (EOFError, OSError):
+            commands.put(None)
+
+    threading.Thread(target=read, name="commands", daemon=True).start()
+    while (payload := commands.get()) is not None:
+        yield payload
+    raise EOFError
+
+
 def worker_main(rank: int, spec: WorkerSpec, conn: Connection, wait_flags=None) -> None:
     """The body of a worker process: build the rank's Worker, then serve commands. Every
     command is answered, a step too (None from a rank that samples nothing), so the engine
@@ -168,13 +187,19 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection, wait_flags=None) 
         else:  # the ranks share the machine's cores instead of each taking all of them
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
         if spec.kv_transfer is not None:
-            worker = DisaggregatedWorker(rank, spec)
+            worker = disaggregated_worker(rank, spec)
+            # the engine sends a prefill rank commands without waiting for it: read them as
+            # they come, so that the pipe never fills and blocks the engine
+            commands = _read_ahead(conn)
         else:
             worker = Worker(rank, spec)
+            commands = iter(lambda: conn.recv_bytes(), None)
         conn.send(("ready", None))
-        while True:
-            command, args = pickle.loads(conn.recv_bytes())
+        for payload in commands:
+            command, args = pickle.loads(payload)
             if command == "shutdown":
+                if hasattr(worker, "close"):
+                    worker.close()
                 break
             conn.send(("ok", getattr(worker, command)(*args)))
     except (EOFError, KeyboardInterrupt):

@@ -137,6 +137,7 @@ class LLMEngine:
             batching_type=args.batching_type,
             num_lookahead_tokens=spec_config.num_speculative_tokens if spec_config else 0,
             max_loras=args.max_loras if args.enable_lora else None,
+            remote_prefill=args.kv_transfer_config is not None,
         )
         # constrained decoding: the compiled grammars, and each request's place in its own
         self.structured_output_manager = StructuredOutputManager(
@@ -387,7 +388,12 @@ class LLMEngine:
         self.output_processor.report(state)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.states or self.output_processor.to_report)
+        # disaggregation: an aborted request's blocks go back when its KV transfer lands
+        return bool(
+            self.output_processor.states
+            or self.output_processor.to_report
+            or self.scheduler.finished_awaiting_kvs
+        )
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, update the requests, report progress."""
@@ -405,7 +411,7 @@ class LLMEngine:
             self.scheduler.requeue(plan)
             raise
         try:
-            return self._process(plan, sampled, failed)
+            return self._process(plan, sampled, failed, self._arrived_kvs())
         except BaseException:
             # interrupted or a bug while processing: the step may be half applied; its
             # unfinished requests recompute from the tokens they have, the finished ones are
@@ -500,10 +506,21 @@ class LLMEngine:
             self._requeue_in_flight(plan, future)
             raise
 
-    def _process(self, plan: SchedulerOutput, sampled: dict, failed: list) -> list[RequestOutput]:
+    def _arrived_kvs(self) -> list:
+        """Disaggregation: (sequence id, first token) of the requests whose KV has landed on
+        the decode rank since the last step; empty otherwise."""
+        if self.executor is None or self.executor.spec.kv_transfer is None:
+            return []
+        return self.executor.take_arrived()
+
+    def _process(
+        self, plan: SchedulerOutput, sampled: dict, failed: list, arrived: list = ()
+    ) -> list[RequestOutput]:
         """Step `plan`'s tokens: update the requests, text and stop strings, stats, outputs."""
         self._abort_failed(failed)
         progressed = self.scheduler.update_from_output(plan, sampled)
+        if arrived:
+            progressed += self.scheduler.update_from_remote_kvs(arrived)
         if self.enable_jump_forward:
             self._jump_forward(progressed)
         stopped, failed_text = self.output_processor.detokenize(progressed)

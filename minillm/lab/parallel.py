@@ -412,32 +412,27 @@ def estimate_layout(
     if pipelined and pp > 1:
         micro = math.ceil(batch / pp)
         cost = roofline.decode_step_cost(config, micro, context_len, dtype)
-        floor = roofline.step_time_floor_s(
-            cost, device.peak_flops(dtype), device.memory_bandwidth_bytes_per_s
+        # pp stages x (floor / (tp x pp)) each
+        compute = (
+            roofline.step_time_floor_s(
+                cost, device.peak_flops(dtype), device.memory_bandwidth_bytes_per_s
+            )
+            / tp
         )
         micro_bytes = micro * config.hidden_size * dtype_bytes(dtype)
         stage_comm = tp_communication_time_s(config, micro, tp, link, dtype) / pp
-        stage_comm += transfer_time_s(micro_bytes, link)
-        return LayoutEstimate(
-            tp=tp,
-            pp=pp,
-            dp=dp,
-            memory_per_gpu_bytes=memory,
-            fits=memory <= device.memory_bytes * usable_fraction,
-            compute_s=floor / tp,  # pp stages x (floor / (tp x pp)) each
-            communication_s=pp * stage_comm,
-            batch_per_replica=batch,
+        communication = pp * (stage_comm + transfer_time_s(micro_bytes, link))
+    else:
+        cost = roofline.decode_step_cost(config, batch, context_len, dtype)
+        compute = (
+            roofline.step_time_floor_s(
+                cost, device.peak_flops(dtype), device.memory_bandwidth_bytes_per_s
+            )
+            / tp
         )
-    cost = roofline.decode_step_cost(config, batch, context_len, dtype)
-    compute = (
-        roofline.step_time_floor_s(
-            cost, device.peak_flops(dtype), device.memory_bandwidth_bytes_per_s
-        )
-        / tp
-    )
-    communication = tp_communication_time_s(config, batch, tp, link, dtype)
-    hidden_bytes = batch * config.hidden_size * dtype_bytes(dtype)
-    communication += (pp - 1) * transfer_time_s(hidden_bytes, link)
+        communication = tp_communication_time_s(config, batch, tp, link, dtype)
+        hidden_bytes = batch * config.hidden_size * dtype_bytes(dtype)
+        communication += (pp - 1) * transfer_time_s(hidden_bytes, link)
     return LayoutEstimate(
         tp=tp,
         pp=pp,

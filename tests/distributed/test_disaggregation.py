@@ -12,7 +12,7 @@ import types
 import pytest
 from conftest import GREEDY, PROMPTS
 
-from minillm import LLM
+from minillm import LLM, SamplingParams
 from minillm.core.scheduler import SchedulerOutput
 from minillm.distributed.disaggregation import KVTransferConfig, split_plan
 from minillm.distributed.executor import WorkerError
@@ -51,8 +51,10 @@ def test_split_plan_by_phase_and_the_blocks_that_move():
     assert [c.request.request_id for c in prefill.scheduled] == ["b", "c"]
     assert [c.request.request_id for c in decode.scheduled] == ["a"]
     assert transfers == [("c", [7, 2, 9])]
-    for part in (prefill, decode):  # both ranks copy blocks and forget finished requests
-        assert part.block_copies == [(1, 2)] and part.finished_req_ids == ["z"]
+    for part in (prefill, decode):  # both ranks forget finished requests
+        assert part.finished_req_ids == ["z"]
+    # copy-on-write serves decodes (a fork writing into a shared block): the decode rank's
+    assert decode.block_copies == [(1, 2)] and prefill.block_copies == []
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +88,9 @@ def test_mixed_load_latencies_are_measured(disaggregated):
     assert summary.num_itl == 4 * (5 - 1)
     assert 0 < summary.ttft_median_s <= summary.ttft_max_s
     assert 0 < summary.itl_median_s <= summary.itl_max_s
+    # the decoders' gaps are a subset of all gaps; long prompts were prefilled
+    assert 0 < summary.decode_itl_median_s <= summary.decode_itl_max_s <= summary.itl_max_s
+    assert summary.long_prefill_max_s > 0
     records = disaggregated.engine.executor.kv_transfer_records()
     assert len(records) == 4 and summary.kv_transfer_bytes == sum(r.num_bytes for r in records)
 
@@ -139,6 +144,40 @@ def test_routes_are_not_recorded_when_disaggregated(disaggregated):
     )
     with pytest.raises(ValueError, match="not recorded with kv_transfer_config"):
         LLMEngine._check_routing_recorded(engine)
+
+
+def test_decode_steps_on_while_the_prefill_rank_is_stopped(disaggregated):
+    """The decode rank never waits for a prefill in flight: with the prefill process stopped,
+    a decoding request still gets every token, and a long prompt waits for its KV; aborted
+    then, its blocks stay held until its transfer lands, and none is lost."""
+    engine = disaggregated.engine
+    pool = engine.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("short", [5, 6, 7], params)
+    short = engine.scheduler.requests["short"]
+    while short.num_output_tokens == 0:
+        engine.step()
+    prefill_rank = engine.executor.processes[0]
+    os.kill(prefill_rank.pid, signal.SIGSTOP)
+    try:
+        engine.add_request("long", list(range(3, 103)), params)
+        while not short.is_finished:
+            engine.step()
+        assert short.num_output_tokens == 8
+        while "long" not in engine.scheduler.waiting_for_remote_kvs:
+            engine.step()  # its four chunks are handed to the stopped rank, one a step
+        long_blocks = len(engine.kv_cache_manager.get_block_ids("long"))
+        engine.abort_request("long")
+        engine.step()
+        assert engine.has_unfinished_requests()  # its transfer is still to land
+        assert pool.get_num_free_blocks() == free_before - long_blocks
+    finally:
+        os.kill(prefill_rank.pid, signal.SIGCONT)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert pool.get_num_free_blocks() == free_before
+    assert not engine.scheduler.finished_awaiting_kvs
 
 
 def test_a_dead_decode_rank_stops_the_engine(disaggregated):

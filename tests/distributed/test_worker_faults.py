@@ -109,6 +109,13 @@ def test_a_stalled_decode_rank_is_named_not_waited_for(tmp_path):
     _stop_and_expect_named(llm, 1, None)
 
 
+def test_a_stalled_prefill_rank_is_named_not_waited_for(tmp_path):
+    model = save_checkpoint(build_hf_model("llama", hidden_size=32), tmp_path / "llama")
+    llm = LLM(model, kv_transfer_config={"kv_connector": "TorchDistributedConnector"})
+    # the engine hands rank 0 its prompts without waiting, yet notices that none comes back
+    _stop_and_expect_named(llm, 0, None)
+
+
 def test_cpu_ranks_fork_and_gpu_ranks_spawn(monkeypatch):
     from minillm.distributed import executor
 

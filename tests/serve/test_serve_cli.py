@@ -44,6 +44,20 @@ def test_engine_options_pass_through_with_vllms_flag_names():
     }
 
 
+def test_parallel_sizes_pass_through_to_the_engine():
+    args = build_parser("serve").parse_args(
+        ["serve", "--tensor-parallel-size", "2", "--enable-expert-parallel"]
+    )
+    assert engine_options(args) == {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+    args = build_parser("serve").parse_args(["serve", "--pipeline-parallel-size", "2"])
+    assert engine_options(args) == {"pipeline_parallel_size": 2}
+
+
+def test_a_bad_parallel_size_is_a_one_line_error(capsys):
+    assert main(["serve", "--tensor-parallel-size", "0", "--port", "1"]) == 2
+    assert "tensor_parallel_size must be an int >= 1" in capsys.readouterr().err
+
+
 def test_a_bad_engine_option_is_a_one_line_error(capsys):
     assert main(["serve", "--max-num-seqs", "0", "--port", "1"]) == 2
     assert "max_num_seqs" in capsys.readouterr().err
