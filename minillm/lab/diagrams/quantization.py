@@ -9,6 +9,8 @@ the FP8 KV cache, each drawn from the engine's own definitions and tensors.
   nibble;
 - `draw_smoothquant`: per-channel ranges of activations and weights before and after
   `numerics.smoothquant_scales`;
+- `draw_w8a8`: the data flow of a `W8A8Linear`'s forward, with its tensors' shapes and
+  dtypes: per-token quantization, the int8 GEMM into int32, the scales in the epilogue;
 - `gptq_snapshots` / `draw_gptq_step`: the weights as `gptq_quantize` sees them when it
   quantizes each column (recorded from a real run);
 - `draw_kv_fp8_scales`: each layer's FP8 KV cache and the k_scale / v_scale its attention
@@ -28,7 +30,7 @@ from minillm.lab import numerics
 from minillm.lab.diagrams.canvas import Canvas
 from minillm.model.quantization import gptq as gptq_module
 from minillm.model.quantization.formats import FloatFormat, IntFormat
-from minillm.model.quantization.linear import Int4Linear
+from minillm.model.quantization.linear import Int4Linear, W8A8Linear
 from minillm.model.quantization.rtn import QuantSpec, find_grid
 
 SMALL = 9  # the smallest font the book uses
@@ -279,6 +281,69 @@ def draw_smoothquant(
     return c
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def draw_w8a8(layer: W8A8Linear, tokens: int, act_dtype: torch.dtype = torch.bfloat16) -> Canvas:
+    """One forward of `layer` on [tokens, K] activations: x is (divided by the layer's
+    SmoothQuant factors where it keeps them and) quantized per token; the int8 codes of x
+    and W meet in an int8 GEMM that sums in int32; the per-token and per-channel scales
+    multiply each int32 sum once, in the epilogue."""
+    n, k = layer.out_features, layer.in_features
+    m = tokens
+    c = Canvas(15.0, 6.4)
+    bh = 0.95
+    x = c.box(
+        0.3, 4.6, 2.6, bh, f"x [{m}, {k}] {_dtype_name(act_dtype)}", "request", fontsize=SMALL
+    )
+    if layer.input_smooth is not None:
+        step = c.box(3.5, 4.6, 2.2, bh, "x / s (SmoothQuant)", "accent", fontsize=SMALL)
+    else:
+        step = c.box(3.5, 4.6, 2.2, bh, "s folded before", "accent", fontsize=SMALL, dashed=True)
+    quant = c.box(6.3, 4.6, 3.2, bh, "per token: sx = max|x_m| / 127", "compute", fontsize=SMALL)
+    qx = c.box(10.1, 5.15, 3.0, 0.75, f"qx [{m}, {k}] int8", "memory", fontsize=SMALL)
+    sx = c.box(10.1, 4.2, 3.0, 0.75, f"sx [{m}] float32", "memory", fontsize=SMALL)
+    qw = c.box(
+        10.1,
+        2.7,
+        3.0,
+        0.75,
+        f"qw [{n}, {k}] {_dtype_name(layer.qweight.dtype)}",
+        "memory",
+        fontsize=SMALL,
+    )
+    sw = c.box(
+        10.1,
+        1.75,
+        3.0,
+        0.75,
+        f"sw [{n}] {_dtype_name(layer.scales.dtype)}",
+        "memory",
+        fontsize=SMALL,
+    )
+    gemm = c.box(5.9, 2.3, 3.4, bh, "int8 x int8 GEMM", "compute", fontsize=SMALL, bold=True)
+    acc = c.box(3.1, 2.3, 2.3, bh, f"acc [{m}, {n}] int32", "memory", fontsize=SMALL)
+    epi = c.box(3.1, 0.5, 2.9, bh, "epilogue: acc sx_m sw_n", "compute", fontsize=SMALL)
+    y = c.box(
+        0.3, 0.5, 2.3, bh, f"y [{m}, {n}] {_dtype_name(act_dtype)}", "request", fontsize=SMALL
+    )
+    c.arrow(x, step)
+    c.arrow(step, quant)
+    c.arrow(quant, qx, sides=("right", "left"))
+    c.arrow(quant, sx, sides=("right", "left"))
+    c.arrow(qx, gemm, sides=("left", "top"), curve=0.2)
+    c.arrow(qw, gemm, sides=("left", "right"))
+    c.arrow(gemm, acc)
+    c.arrow(acc, epi, sides=("bottom", "top"))
+    c.arrow(sx, epi, sides=("bottom", "right"), curve=-0.25, dashed=True)
+    c.arrow(sw, epi, sides=("left", "right"), dashed=True)
+    c.arrow(epi, y)
+    c.text(11.6, 3.85, "computed on every call", size=SMALL, color="#6F6F6F")
+    c.text(11.6, 1.4, "stored, quantized once", size=SMALL, color="#6F6F6F")
+    return c
+
+
 @dataclass(slots=True)
 class GptqSnapshot:
     """The weights of the block when `gptq_quantize` quantized `column` (in its order)."""
@@ -444,6 +509,7 @@ __all__ = [
     "draw_int4_packing",
     "draw_kv_fp8_scales",
     "draw_smoothquant",
+    "draw_w8a8",
     "gptq_snapshots",
     "kv_fp8_layer_scales",
     "scale_exponent",
