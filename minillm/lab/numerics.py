@@ -256,6 +256,21 @@ def w8a8_output_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None =
     return relative_error(xq @ wq.T, exact)
 
 
+def engine_w8a8_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None) -> float:
+    """Relative output error of the engine's `W8A8Linear` for weights w [N, K] on inputs
+    x [T, K], built as `quantize_model` builds it: W diag(s) rounded to int8 per output
+    channel, and the layer dividing its input by s (SmoothQuant's factors; None: no
+    smoothing) before quantizing it per token."""
+    from minillm.model.quantization.linear import W8A8Linear
+    from minillm.model.quantization.rtn import INT8_PER_CHANNEL, rtn
+
+    w = w.detach().float()
+    codes, scales, _ = rtn(w if s is None else w * s, INT8_PER_CHANNEL)
+    layer = W8A8Linear(codes, scales, None, torch.float32, s)
+    with torch.no_grad():
+        return relative_error(layer(x.detach().float()), x.detach().float() @ w.T)
+
+
 # -- bytes ---------------------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -137,6 +138,7 @@ def run(
             "decode_tokens_per_s": [],
         }
         print(f"{variant.name}: built, perplexity {results[variant.name]['perplexity']:.3f}")
+    load_before = os.getloadavg()[0]
     for _ in range(repeats):  # round robin: every repeat visits every variant once
         for name, llm in built.items():
             results[name]["decode_tokens_per_s"].append(
@@ -146,10 +148,11 @@ def run(
         samples = r["decode_tokens_per_s"]
         r["decode_tokens_per_s_median"] = statistics.median(samples)
         r["decode_tokens_per_s_range"] = [min(samples), max(samples)]
-    return record(results, windows, calibration, repeats, max_tokens, group_size)
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return record(results, windows, calibration, repeats, max_tokens, group_size, load)
 
 
-def record(results, windows, calibration, repeats, max_tokens, group_size) -> dict:
+def record(results, windows, calibration, repeats, max_tokens, group_size, load=None) -> dict:
     base = results.get("float32")
     out = {
         **machine_record(),
@@ -161,6 +164,9 @@ def record(results, windows, calibration, repeats, max_tokens, group_size) -> di
             "source": "standard library files other than the held-out ones",
         },
         "decode": {"batch": 1, "prompt_tokens": 32, "max_tokens": max_tokens, "repeats": repeats},
+        # the 1-minute load average before and after the timed repeats: other programs
+        # sharing the cores slow every variant alike (round robin), not their ratios
+        "load_average": load,
         "group_size": group_size,
         "results": results,
     }
