@@ -100,3 +100,12 @@ def perplexity_difference(
         return batch[..., 0].mean(dim=1).exp() - batch[..., 1].mean(dim=1).exp()
 
     return bootstrap_interval(torch.stack([ce_a, ce_b], dim=1), gap, num_resamples, level, seed)
+
+
+def verdict(interval: Interval, a: str, b: str, lower_is_better: bool = True) -> str:
+    """What an interval of "A minus B" allows a page to say about A and B."""
+    if not interval.excludes_zero:
+        return f"{a} and {b} are not separated (the interval includes zero)"
+    a_lower = interval.high < 0
+    better, worse = (a, b) if a_lower == lower_is_better else (b, a)
+    return f"{better} beats {worse} (the interval excludes zero)"

@@ -7,8 +7,9 @@ quantized from its float32 weights, as W8A16 (int8 weights, RTN), W4A16 (int4 we
 group of 128: RTN, GPTQ with and without act-order, AWQ), FP8 weight-only (E4M3 weights)
 and W8A8 (int8 weights and per-token int8 activations, with and without SmoothQuant). For
 each: perplexity on the held-out windows beside the model and each window's mean
-cross-entropy (from which `minillm.lab.bootstrap` draws intervals), the bytes of its
-weights, and batch-1 decode
+cross-entropy (from which `minillm.lab.bootstrap` draws intervals), greedy agreement with
+the float32 model on 8 held-out prompts (outputs identical, and the mean share of each
+output before its first difference), the bytes of its weights, and batch-1 decode
 speed (1 / TPOT) repeated round robin over the variants, so that a slow moment of a shared
 machine hits all of them alike; the median and the range of the repeats are reported.
 
@@ -99,6 +100,34 @@ def decode_tokens_per_s(llm, prompt: list[int], max_tokens: int) -> float:
     return 1.0 / output.metrics.tpot_s
 
 
+GREEDY_PROMPTS = 8  # held-out windows whose first 32 tokens prompt the greedy comparison
+GREEDY_TOKENS = 32
+
+
+def greedy_outputs(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuations of the prompts, batched."""
+    from minillm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """How far greedy outputs follow the reference's: outputs identical, and the mean share
+    of each output before its first differing token."""
+    prefixes = []
+    for out, ref in zip(outputs, reference, strict=True):
+        same = 0
+        while same < min(len(out), len(ref)) and out[same] == ref[same]:
+            same += 1
+        prefixes.append(same / max(len(ref), 1))
+    return {
+        "identical": sum(out == ref for out, ref in zip(outputs, reference, strict=True)),
+        "prompts": len(reference),
+        "common_prefix": sum(prefixes) / len(prefixes),
+    }
+
+
 def run(
     variants: tuple[Variant, ...] = VARIANTS,
     repeats: int = 5,
@@ -116,12 +145,15 @@ def run(
     windows = heldout_windows(path)[:num_windows]
     calibration = default_calibration(path, calibration_tokens)
     prompt = windows[0, :32].tolist()
+    greedy_prompts = [w[:32].tolist() for w in windows[:GREEDY_PROMPTS]]
+    greedy = {}
     built = {}
     results = {}
     for variant in variants:
         llm, quantize_s = build(variant, calibration, group_size)
         model = llm.engine.model_runner.model
         built[variant.name] = llm
+        greedy[variant.name] = greedy_outputs(llm, greedy_prompts, GREEDY_TOKENS)
         decode_tokens_per_s(llm, prompt, 4)  # warm-up
         ce = window_cross_entropy(model, windows)
         results[variant.name] = {
@@ -137,6 +169,10 @@ def run(
             "weight_bytes": weight_bytes(model),
             "decode_tokens_per_s": [],
         }
+        if "float32" in greedy:  # greedy decoding against the float32 model's
+            results[variant.name]["greedy_vs_float32"] = greedy_agreement(
+                greedy[variant.name], greedy["float32"]
+            )
         print(f"{variant.name}: built, perplexity {results[variant.name]['perplexity']:.3f}")
     load_before = os.getloadavg()[0]
     for _ in range(repeats):  # round robin: every repeat visits every variant once

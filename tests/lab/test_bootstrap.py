@@ -93,3 +93,20 @@ def test_intervals_are_reproducible_and_checked():
         bootstrap_interval(values, mean_of_column(0), level=1.0)
     with pytest.raises(ValueError, match="same windows"):
         perplexity_difference(torch.ones(3), torch.ones(4))
+
+
+def test_verdicts_follow_the_interval():
+    from minillm.lab.bootstrap import verdict
+
+    assert verdict(Interval(-0.1, -0.2, -0.01, 0.95, 10), "GPTQ", "RTN") == (
+        "GPTQ beats RTN (the interval excludes zero)"
+    )
+    assert verdict(Interval(0.1, 0.02, 0.2, 0.95, 10), "GPTQ", "RTN") == (
+        "RTN beats GPTQ (the interval excludes zero)"
+    )
+    assert verdict(Interval(0.1, 0.02, 0.2, 0.95, 10), "A", "B", lower_is_better=False) == (
+        "A beats B (the interval excludes zero)"
+    )
+    assert verdict(Interval(-0.1, -0.2, 0.01, 0.95, 10), "AWQ", "RTN") == (
+        "AWQ and RTN are not separated (the interval includes zero)"
+    )

@@ -258,3 +258,22 @@ def test_bad_inputs_raise():
         nm.w4a16_batches(256, 512, get_device("H100 SXM"))
     with pytest.raises(ValueError, match="scheme"):
         nm.linear_floor_s(1, 8, 8, get_device("H100 SXM"), "w2a2")
+
+
+def test_linear_inputs_is_what_a_full_forward_feeds_the_layer():
+    from minillm.model.loader import load_model
+
+    model = load_model("minillm-stdlib-target", dtype="float32").model
+    ids = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
+    down = model.model.layers[2].mlp.down_proj
+    seen = []
+    hook = down.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].detach()))
+    with torch.no_grad():
+        model.forward_causal(ids)
+    hook.remove()
+    got = nm.linear_inputs(model, down, ids)
+    assert got.shape == (2, 24, down.in_features)
+    torch.testing.assert_close(got, seen[0], rtol=0, atol=0)
+    assert not down._forward_pre_hooks  # the hook is gone
+    with pytest.raises(ValueError, match="not reached"):
+        nm.linear_inputs(model, torch.nn.Linear(2, 2), ids)
