@@ -292,55 +292,38 @@ def draw_w8a8(layer: W8A8Linear, tokens: int, act_dtype: torch.dtype = torch.bfl
     multiply each int32 sum once, in the epilogue."""
     n, k = layer.out_features, layer.in_features
     m = tokens
-    c = Canvas(15.0, 6.4)
-    bh = 0.95
-    x = c.box(
-        0.3, 4.6, 2.6, bh, f"x [{m}, {k}] {_dtype_name(act_dtype)}", "request", fontsize=SMALL
-    )
+    c = Canvas(16.0, 8.0)
+    h, f = 0.9, SMALL
+    act = _dtype_name(act_dtype)
+    x = c.box(0.3, 6.8, 3.2, h, f"x [{m}, {k}] {act}", "request", fontsize=f)
     if layer.input_smooth is not None:
-        step = c.box(3.5, 4.6, 2.2, bh, "x / s (SmoothQuant)", "accent", fontsize=SMALL)
+        step = c.box(4.1, 6.8, 2.6, h, "x / s (SmoothQuant)", "accent", fontsize=f)
     else:
-        step = c.box(3.5, 4.6, 2.2, bh, "s folded before", "accent", fontsize=SMALL, dashed=True)
-    quant = c.box(6.3, 4.6, 3.2, bh, "per token: sx = max|x_m| / 127", "compute", fontsize=SMALL)
-    qx = c.box(10.1, 5.15, 3.0, 0.75, f"qx [{m}, {k}] int8", "memory", fontsize=SMALL)
-    sx = c.box(10.1, 4.2, 3.0, 0.75, f"sx [{m}] float32", "memory", fontsize=SMALL)
-    qw = c.box(
-        10.1,
-        2.7,
-        3.0,
-        0.75,
-        f"qw [{n}, {k}] {_dtype_name(layer.qweight.dtype)}",
-        "memory",
-        fontsize=SMALL,
-    )
-    sw = c.box(
-        10.1,
-        1.75,
-        3.0,
-        0.75,
-        f"sw [{n}] {_dtype_name(layer.scales.dtype)}",
-        "memory",
-        fontsize=SMALL,
-    )
-    gemm = c.box(5.9, 2.3, 3.4, bh, "int8 x int8 GEMM", "compute", fontsize=SMALL, bold=True)
-    acc = c.box(3.1, 2.3, 2.3, bh, f"acc [{m}, {n}] int32", "memory", fontsize=SMALL)
-    epi = c.box(3.1, 0.5, 2.9, bh, "epilogue: acc sx_m sw_n", "compute", fontsize=SMALL)
-    y = c.box(
-        0.3, 0.5, 2.3, bh, f"y [{m}, {n}] {_dtype_name(act_dtype)}", "request", fontsize=SMALL
-    )
+        step = c.box(4.1, 6.8, 2.6, h, "s folded before", "accent", fontsize=f, dashed=True)
+    quant = c.box(7.3, 6.8, 4.3, h, "per token: sx = max|x_m| / 127", "compute", fontsize=f)
+    sx = c.box(0.3, 5.0, 3.2, h, f"sx [{m}] float32", "memory", fontsize=f)
+    qx = c.box(8.0, 5.0, 3.0, h, f"qx [{m}, {k}] int8", "memory", fontsize=f)
+    acc = c.box(4.1, 3.2, 2.9, h, f"acc [{m}, {n}] int32", "memory", fontsize=f)
+    gemm = c.box(8.0, 3.2, 3.0, h, "int8 x int8 GEMM", "compute", fontsize=f, bold=True)
+    qw_label = f"qw [{n}, {k}] {_dtype_name(layer.qweight.dtype)}"
+    qw = c.box(12.0, 3.2, 3.6, h, qw_label, "memory", fontsize=f)
+    epi = c.box(4.1, 1.4, 4.5, h, "epilogue: acc sx_m sw_n", "compute", fontsize=f)
+    sw_label = f"sw [{n}] {_dtype_name(layer.scales.dtype)}"
+    sw = c.box(12.0, 1.4, 3.6, h, sw_label, "memory", fontsize=f)
+    y = c.box(4.85, 0.1, 3.0, h * 0.9, f"y [{m}, {n}] {act}", "request", fontsize=f)
     c.arrow(x, step)
     c.arrow(step, quant)
-    c.arrow(quant, qx, sides=("right", "left"))
-    c.arrow(quant, sx, sides=("right", "left"))
-    c.arrow(qx, gemm, sides=("left", "top"), curve=0.2)
+    c.arrow(quant, qx, sides=("bottom", "top"))
+    c.arrow(quant, sx, sides=("bottom", "right"))
+    c.arrow(qx, gemm, sides=("bottom", "top"))
     c.arrow(qw, gemm, sides=("left", "right"))
-    c.arrow(gemm, acc)
+    c.arrow(gemm, acc, sides=("left", "right"))
     c.arrow(acc, epi, sides=("bottom", "top"))
-    c.arrow(sx, epi, sides=("bottom", "right"), curve=-0.25, dashed=True)
+    c.arrow(sx, epi, sides=("bottom", "left"), dashed=True)
     c.arrow(sw, epi, sides=("left", "right"), dashed=True)
-    c.arrow(epi, y)
-    c.text(11.6, 3.85, "computed on every call", size=SMALL, color="#6F6F6F")
-    c.text(11.6, 1.4, "stored, quantized once", size=SMALL, color="#6F6F6F")
+    c.arrow(epi, y, sides=("bottom", "top"))
+    c.text(13.8, 4.5, "stored, quantized once", size=f, color="#6F6F6F")
+    c.text(1.9, 6.2, "computed on each call", size=f, color="#6F6F6F")
     return c
 
 
