@@ -13,6 +13,8 @@ FLOPs done per call, from which the benchmarks draw the roofline.
   (Flash-Decoding) with a log-sum-exp merge.
 - `kernels.quant_matmul`: weight-only quantized matmul, W8A16 per output channel and W4A16
   group-wise, dequantized inside the GEMM.
+- `kernels.int8_gemm`: W8A8, int8 activations (per token) times int8 weights (per channel),
+  summed in int32, the scales applied in the epilogue.
 - `kernels.kv_cache`: the store of new keys and values into their cache slots.
 - `minillm.model.triton_backend`: the engine's "triton" attention backend built from them.
 - `kernels.checks`, `kernels.device`: the launchers' input checks, and the device facts

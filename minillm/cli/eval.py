@@ -23,8 +23,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     ppl = kinds.add_parser("ppl", help="perplexity on the model's held-out windows")
     ppl.add_argument("--model", default=None, help="model directory or name (default: bundled)")
     ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ppl.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"])
-    ppl.add_argument("--quantization-method", default="rtn", choices=["rtn", "gptq", "awq"])
+    ppl.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8", "w8a8"])
+    ppl.add_argument(
+        "--quantization-method", default="rtn", choices=["rtn", "gptq", "awq", "smoothquant"]
+    )
     ppl.add_argument("--group-size", type=int, default=128, help="int4: inputs per scale")
     ppl.add_argument("--no-act-order", action="store_true", help="GPTQ: columns in their own order")
     ppl.add_argument("--calibration-tokens", type=int, default=8192)

@@ -60,11 +60,13 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # the waiting queue's order: "fcfs", "priority" or "sjf"
     batching_type: str = "continuous"  # or "static": a new batch only when the last one is done
     stats_window: int = 1024  # steps of per-step statistics kept (a bounded window)
-    # weights quantized after loading (vLLM's option): "int8" (W8A16), "int4" (W4A16, group-wise)
-    # or "fp8" (E4M3 weights); None: as the checkpoint stores them (GPTQ/AWQ are read as such)
+    # weights quantized after loading (vLLM's option): "int8" (W8A16), "int4" (W4A16, group-wise),
+    # "fp8" (E4M3 weights, weight-only) or "w8a8" (int8 weights and per-token int8 activations);
+    # None: as the checkpoint stores them (GPTQ/AWQ are read as such)
     quantization: str | None = None
     quantization_group_size: int = 128  # int4: input channels per scale and zero point
-    quantization_method: str = "rtn"  # how integer codes are chosen: "rtn", "gptq" or "awq"
+    # how integer codes are chosen: "rtn", "gptq" or "awq"; for w8a8 "rtn" or "smoothquant"
+    quantization_method: str = "rtn"
     # the KV cache's storage (vLLM's CacheConfig.cache_dtype): "auto" is the model's dtype;
     # "fp8_e4m3" (alias "fp8") one byte per element with per-layer k_scale and v_scale
     # (minillm.model.kv_cache_dtype), on the torch attention backend

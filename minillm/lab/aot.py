@@ -50,7 +50,15 @@ from triton.runtime.jit import MockTensor, create_function_from_signature
 
 import kernels
 import kernels.device
-from kernels import flash_attention, kv_cache, paged_decode, quant_matmul, rmsnorm, rope
+from kernels import (
+    flash_attention,
+    int8_gemm,
+    kv_cache,
+    paged_decode,
+    quant_matmul,
+    rmsnorm,
+    rope,
+)
 
 ARCHS = sorted(major * 10 + minor for major, minor in kernels.device.ARCH_LIMITS)
 SM_COUNT = {75: 40, 80: 108, 86: 84, 89: 58, 90: 132}  # T4, A100, A10, L4, H100/H200
@@ -277,6 +285,19 @@ def cases(dtype: torch.dtype, head_dims: list[int]) -> Iterator[Case]:
                 fn = quant_matmul._w4a16_kernel
                 args |= dict(DOT_FP32=dot_fp32)
         yield Case(f"{plan.kernel} M={m}", fn, args, plan.num_warps, plan.num_stages)
+    # W8A8: int8 x int8 -> int32 on the tensor cores, at a decode step and a 4k prefill
+    # (from Ampere on: Triton has no int8 dot for Turing)
+    for m in (1, 4096) if int8_gemm.supported(gpu) else ():
+        block_m, block_n, block_k, warps, stages = int8_gemm.launch_config(m)
+        yield Case(
+            f"w8a8 M={m}",
+            int8_gemm._w8a8_kernel,
+            tensors(qx_ptr=torch.int8, qw_ptr=torch.int8, x_scales_ptr=f32, w_scales_ptr=f32)
+            | tensors(out_ptr=dtype)
+            | dict(M=m, N=MLP, K=HIDDEN, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k),
+            warps,
+            stages,
+        )
     yield Case(
         "sum_splits",
         quant_matmul._sum_splits_kernel,

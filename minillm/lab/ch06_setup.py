@@ -45,3 +45,26 @@ def w4a16_crossover_batches(
     return numerics.w4a16_batches(
         config.intermediate_size, config.hidden_size, get_device(device), GROUP_SIZE
     )
+
+
+# the exercises that apply a formula or an API the pages state (the others build a mechanism
+# or derive a number): per group with a zero point, dequantize, an FP8 scale, SmoothQuant's
+# scales, measuring with the engine
+FORMULA_EXERCISES = (1, 2, 5, 9, 11)
+
+
+def exercise_points(path) -> list[int]:
+    """The points of each graded cell of a chapter's exercise notebook, in order."""
+    from minillm.course.grading import graded_points, read_notebook
+
+    cells = read_notebook(path).cells
+    return [
+        graded_points(c.source)
+        for c in cells
+        if c.cell_type == "code" and graded_points(c.source) is not None
+    ]
+
+
+def formula_points(points: list[int]) -> int:
+    """The points of `FORMULA_EXERCISES` (exercise i is graded cell i)."""
+    return sum(points[i - 1] for i in FORMULA_EXERCISES)

@@ -256,6 +256,49 @@ def w8a8_output_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None =
     return relative_error(xq @ wq.T, exact)
 
 
+class _Captured(Exception):
+    """Raised by `linear_inputs`' hook: the input is recorded, the rest of the forward is
+    not needed."""
+
+
+@torch.no_grad()
+def linear_inputs(model: torch.nn.Module, module: torch.nn.Module, token_ids: torch.Tensor):
+    """The input of `module` (a layer of `model`) when `model.forward_causal` runs on
+    token_ids [B, T]: [B, T, K]. The forward stops as soon as the module is reached, so the
+    layers after it and the LM head cost nothing."""
+    seen = []
+
+    def record(_module, inputs):
+        seen.append(inputs[0].detach().clone())
+        raise _Captured
+
+    handle = module.register_forward_pre_hook(record)
+    try:
+        model.forward_causal(token_ids)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise ValueError("the module was not reached by the model's forward")
+    return seen[0]
+
+
+def engine_w8a8_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None = None) -> float:
+    """Relative output error of the engine's `W8A8Linear` for weights w [N, K] on inputs
+    x [T, K], built as `quantize_model` builds it: W diag(s) rounded to int8 per output
+    channel, and the layer dividing its input by s (SmoothQuant's factors; None: no
+    smoothing) before quantizing it per token."""
+    from minillm.model.quantization.linear import W8A8Linear
+    from minillm.model.quantization.rtn import INT8_PER_CHANNEL, rtn
+
+    w = w.detach().float()
+    codes, scales, _ = rtn(w if s is None else w * s, INT8_PER_CHANNEL)
+    layer = W8A8Linear(codes, scales, None, torch.float32, s)
+    with torch.no_grad():
+        return relative_error(layer(x.detach().float()), x.detach().float() @ w.T)
+
+
 # -- bytes ---------------------------------------------------------------------------------
 
 

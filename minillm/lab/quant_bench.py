@@ -3,9 +3,13 @@
     python -m minillm.lab.quant_bench            # writes benchmarks/results/quantization_cpu.json
 
 The bundled target model runs through the engine (`LLM`) in float32 and bfloat16 and,
-quantized from its float32 weights, as int8 RTN (W8A16), int4 RTN, GPTQ (with and without
-act-order) and AWQ (W4A16, group size 128) and FP8 (E4M3 weights). For each: perplexity
-on the held-out windows beside the model, the bytes of its weights, and batch-1 decode
+quantized from its float32 weights, as W8A16 (int8 weights, RTN), W4A16 (int4 weights per
+group of 128: RTN, GPTQ with and without act-order, AWQ), FP8 weight-only (E4M3 weights)
+and W8A8 (int8 weights and per-token int8 activations, with and without SmoothQuant). For
+each: perplexity on the held-out windows beside the model and each window's mean
+cross-entropy (from which `minillm.lab.bootstrap` draws intervals), greedy agreement with
+the float32 model on 8 held-out prompts (outputs identical, and the mean share of each
+output before its first difference), the bytes of its weights, and batch-1 decode
 speed (1 / TPOT) repeated round robin over the variants, so that a slow moment of a shared
 machine hits all of them alike; the median and the range of the repeats are reported.
 
@@ -15,14 +19,16 @@ per-step overhead, so quantization makes decoding slower, not faster. The saving
 a CPU is memory. On a GPU, where a batch-1 decode step is bound by reading the weights, the
 W4A16 kernel reads a quarter of bfloat16's bytes (see chapter 5 and `kernels.quant_matmul`).
 
-The goal recorded for GPTQ: int4 GPTQ loses at most half the perplexity that int4 RTN loses
-(both against the float32 model they were quantized from).
+The goal recorded for GPTQ: W4A16 GPTQ loses at most half the perplexity that W4A16 RTN
+loses (both against the float32 model they were quantized from).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import pathlib
 import statistics
 import sys
@@ -36,6 +42,8 @@ from minillm.lab.bench import machine_record
 MODEL = "minillm-stdlib-target"
 RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 GOAL_RATIO = 0.5  # GPTQ's perplexity loss / RTN's perplexity loss, at most
+# what each `quantization=` option is, by the field's names
+FORMAT_NAMES = {"int8": "W8A16", "int4": "W4A16", "fp8": "FP8 weight-only", "w8a8": "W8A8"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +58,14 @@ class Variant:
 VARIANTS = (
     Variant("float32", "float32"),
     Variant("bfloat16", "bfloat16"),
-    Variant("int8 RTN", "float32", "int8"),
-    Variant("int4 RTN", "float32", "int4"),
-    Variant("int4 GPTQ", "float32", "int4", "gptq"),
-    Variant("int4 GPTQ, no act-order", "float32", "int4", "gptq", act_order=False),
-    Variant("int4 AWQ", "float32", "int4", "awq"),
-    Variant("fp8", "float32", "fp8"),
+    Variant("W8A16 RTN", "float32", "int8"),
+    Variant("W4A16 RTN", "float32", "int4"),
+    Variant("W4A16 GPTQ", "float32", "int4", "gptq"),
+    Variant("W4A16 GPTQ, no act-order", "float32", "int4", "gptq", act_order=False),
+    Variant("W4A16 AWQ", "float32", "int4", "awq"),
+    Variant("FP8 weight-only", "float32", "fp8"),
+    Variant("W8A8 RTN", "float32", "w8a8"),
+    Variant("W8A8 SmoothQuant", "float32", "w8a8", "smoothquant"),
 )
 
 
@@ -90,6 +100,34 @@ def decode_tokens_per_s(llm, prompt: list[int], max_tokens: int) -> float:
     return 1.0 / output.metrics.tpot_s
 
 
+GREEDY_PROMPTS = 8  # held-out windows whose first 32 tokens prompt the greedy comparison
+GREEDY_TOKENS = 32
+
+
+def greedy_outputs(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuations of the prompts, batched."""
+    from minillm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def greedy_agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """How far greedy outputs follow the reference's: outputs identical, and the mean share
+    of each output before its first differing token."""
+    prefixes = []
+    for out, ref in zip(outputs, reference, strict=True):
+        same = 0
+        while same < min(len(out), len(ref)) and out[same] == ref[same]:
+            same += 1
+        prefixes.append(same / max(len(ref), 1))
+    return {
+        "identical": sum(out == ref for out, ref in zip(outputs, reference, strict=True)),
+        "prompts": len(reference),
+        "common_prefix": sum(prefixes) / len(prefixes),
+    }
+
+
 def run(
     variants: tuple[Variant, ...] = VARIANTS,
     repeats: int = 5,
@@ -100,32 +138,43 @@ def run(
 ) -> dict:
     """Measure every variant; returns a JSON-ready record (prints a table as it goes)."""
     from minillm.model.loader import resolve_model_path
-    from minillm.model.perplexity import heldout_windows, perplexity
+    from minillm.model.perplexity import heldout_windows, window_cross_entropy
     from minillm.model.quantization import default_calibration, weight_bytes
 
     path = resolve_model_path(MODEL)
     windows = heldout_windows(path)[:num_windows]
     calibration = default_calibration(path, calibration_tokens)
     prompt = windows[0, :32].tolist()
+    greedy_prompts = [w[:32].tolist() for w in windows[:GREEDY_PROMPTS]]
+    greedy = {}
     built = {}
     results = {}
     for variant in variants:
         llm, quantize_s = build(variant, calibration, group_size)
         model = llm.engine.model_runner.model
         built[variant.name] = llm
+        greedy[variant.name] = greedy_outputs(llm, greedy_prompts, GREEDY_TOKENS)
         decode_tokens_per_s(llm, prompt, 4)  # warm-up
+        ce = window_cross_entropy(model, windows)
         results[variant.name] = {
             "dtype": variant.dtype,
             "quantization": variant.quantization,
             "method": variant.method if variant.quantization else None,
             "act_order": variant.act_order if variant.method == "gptq" else None,
             "group_size": group_size if variant.quantization == "int4" else None,
+            "format": FORMAT_NAMES.get(variant.quantization, variant.dtype),
             "quantize_s": round(quantize_s, 2),
-            "perplexity": perplexity(model, windows),
+            "perplexity": math.exp(float(ce.mean())),
+            "window_cross_entropy": ce.tolist(),
             "weight_bytes": weight_bytes(model),
             "decode_tokens_per_s": [],
         }
+        if "float32" in greedy:  # greedy decoding against the float32 model's
+            results[variant.name]["greedy_vs_float32"] = greedy_agreement(
+                greedy[variant.name], greedy["float32"]
+            )
         print(f"{variant.name}: built, perplexity {results[variant.name]['perplexity']:.3f}")
+    load_before = os.getloadavg()[0]
     for _ in range(repeats):  # round robin: every repeat visits every variant once
         for name, llm in built.items():
             results[name]["decode_tokens_per_s"].append(
@@ -135,10 +184,11 @@ def run(
         samples = r["decode_tokens_per_s"]
         r["decode_tokens_per_s_median"] = statistics.median(samples)
         r["decode_tokens_per_s_range"] = [min(samples), max(samples)]
-    return record(results, windows, calibration, repeats, max_tokens, group_size)
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return record(results, windows, calibration, repeats, max_tokens, group_size, load)
 
 
-def record(results, windows, calibration, repeats, max_tokens, group_size) -> dict:
+def record(results, windows, calibration, repeats, max_tokens, group_size, load=None) -> dict:
     base = results.get("float32")
     out = {
         **machine_record(),
@@ -150,6 +200,9 @@ def record(results, windows, calibration, repeats, max_tokens, group_size) -> di
             "source": "standard library files other than the held-out ones",
         },
         "decode": {"batch": 1, "prompt_tokens": 32, "max_tokens": max_tokens, "repeats": repeats},
+        # the 1-minute load average before and after the timed repeats: other programs
+        # sharing the cores slow every variant alike (round robin), not their ratios
+        "load_average": load,
         "group_size": group_size,
         "results": results,
     }
@@ -160,17 +213,17 @@ def record(results, windows, calibration, repeats, max_tokens, group_size) -> di
             r["speed_vs_float32"] = (
                 r["decode_tokens_per_s_median"] / base["decode_tokens_per_s_median"]
             )
-    if base is not None and "int4 RTN" in results and "int4 GPTQ" in results:
-        rtn_loss = results["int4 RTN"]["perplexity_increase"]
-        gptq_loss = results["int4 GPTQ"]["perplexity_increase"]
+    if base is not None and "W4A16 RTN" in results and "W4A16 GPTQ" in results:
+        rtn_loss = results["W4A16 RTN"]["perplexity_increase"]
+        gptq_loss = results["W4A16 GPTQ"]["perplexity_increase"]
         out["goal"] = {
-            "statement": "int4 GPTQ loses at most half the perplexity that int4 RTN loses",
+            "statement": "W4A16 GPTQ loses at most half the perplexity that W4A16 RTN loses",
             "rtn_perplexity_increase": rtn_loss,
             "gptq_perplexity_increase": gptq_loss,
             "ratio": gptq_loss / rtn_loss if rtn_loss > 0 else None,
             "met": rtn_loss > 0 and gptq_loss <= GOAL_RATIO * rtn_loss,
         }
-        plain = results.get("int4 GPTQ, no act-order")
+        plain = results.get("W4A16 GPTQ, no act-order")
         if plain is not None and rtn_loss > 0:
             out["goal"]["ratio_without_act_order"] = plain["perplexity_increase"] / rtn_loss
     return out

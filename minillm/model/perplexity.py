@@ -57,6 +57,26 @@ def mean_cross_entropy(
     return total / count
 
 
+@torch.no_grad()
+def window_cross_entropy(
+    model: nn.Module, token_windows: torch.Tensor, batch_size: int = 16
+) -> torch.Tensor:
+    """Mean next-token cross-entropy in nats of each window: [num_windows] float64. With
+    windows of one length, exp of their mean is `perplexity`; kept apart, they say how much
+    a perplexity would move on other windows (`minillm.lab.bootstrap`)."""
+    if token_windows.dim() != 2 or token_windows.shape[1] < 2:
+        raise ValueError(
+            f"token_windows must be [num_windows, window_len >= 2], got {list(token_windows.shape)}"
+        )
+    device = next(model.parameters()).device
+    out = []
+    for chunk in token_windows.to(device).split(batch_size):
+        logits = model.forward_causal(chunk[:, :-1])
+        ce = F.cross_entropy(logits.transpose(1, 2).float(), chunk[:, 1:], reduction="none")
+        out.append(ce.double().mean(dim=1).cpu())
+    return torch.cat(out)
+
+
 def perplexity(model: nn.Module, token_windows: torch.Tensor, batch_size: int = 16) -> float:
     """exp(mean next-token cross-entropy) over token_windows: [num_windows, window_len]."""
     return math.exp(mean_cross_entropy(model, token_windows, batch_size))

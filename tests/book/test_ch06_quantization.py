@@ -376,6 +376,53 @@ def w4a16_with(rule):
     return w4a16_matmul
 
 
+# -- exercise 14: AWQ's scale search ------------------------------------------------------
+
+
+def awq_with(rule):
+    def awq_scale_search(x, w, quantize, alphas):
+        if rule == "modifies x":
+            x.abs_()
+        x, w = x.float(), w.float()
+        exact = x @ w.T
+        if rule == "max instead of mean":
+            stat = x.abs().amax(dim=0)
+        elif rule == "per output channel":
+            stat = exact.abs().mean(dim=0)  # [N]: one factor per output channel
+        else:
+            stat = x.abs().mean(dim=0)
+        stat = stat.clamp(min=1e-4)
+        grid = [0.5] if rule == "alpha fixed at 0.5" else alphas
+        best = None
+        for alpha in grid:
+            s = stat.pow(alpha)
+            s = s / (s.max() * s.min()).sqrt()
+            if rule == "per output channel":  # rows of W scaled, the outputs divided back
+                y_hat = x @ (quantize(w * s[:, None]) / s[:, None]).T
+                s = torch.ones(w.shape[1])
+            elif rule == "weights scaled, activations not divided":
+                y_hat = x @ quantize(w * s).T
+            else:
+                y_hat = (x / s) @ quantize(w * s).T
+            if rule == "error on the weights":
+                error = float(((w - quantize(w * s) / s) ** 2).sum())
+            elif rule == "own quantizer":  # per channel, 4 bits: not the Q given
+                ws = w * s
+                step = ws.abs().amax(dim=1, keepdim=True) / 7
+                error = float(((exact - (x / s) @ (torch.round(ws / step) * step).T) ** 2).sum())
+            else:
+                error = float(((exact - y_hat) ** 2).sum())
+            if best is None or error < best[0]:
+                best = (error, float(alpha), s)
+        if rule == "alpha as a tensor":
+            return torch.tensor(best[1]), best[2]
+        if rule == "hard-coded alpha 0.4":
+            return 0.4, best[2]
+        return best[1], best[2]
+
+    return awq_scale_search
+
+
 WRONG_ANSWERS = {
     "quantize_groups": {
         "a scale per tensor": grid("tensor"),
@@ -481,11 +528,25 @@ WRONG_ANSWERS = {
         "[N, M]": w4a16_with("[N, M]"),
         "modifies x": w4a16_with("modifies x"),
     },
+    "awq_scale_search": {
+        label: awq_with(label)
+        for label in (
+            "weights scaled, activations not divided",
+            "alpha fixed at 0.5",
+            "per output channel",
+            "error on the weights",
+            "max instead of mean",
+            "own quantizer",
+            "alpha as a tensor",
+            "hard-coded alpha 0.4",
+            "modifies x",
+        )
+    },
 }
 
 
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch06_quantization.ipynb"
     EXERCISE = ROOT / "exercises" / "ch06_quantization.ipynb"
-    POINTS = [3, 2, 3, 5, 3, 3, 3, 3, 2, 2, 3, 2, 5]
+    POINTS = [3, 2, 3, 5, 3, 3, 3, 3, 2, 2, 3, 2, 5, 4]
     WRONG_ANSWERS = WRONG_ANSWERS

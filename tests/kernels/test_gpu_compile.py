@@ -18,7 +18,8 @@ from kernels.flash_attention import tile_shared_bytes
 
 ROOT = Path(__file__).parents[2]
 ENV = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-NUM_CASES = 13  # per dtype, at one head_dim: minillm.lab.aot.cases
+NUM_CASES = 13  # per dtype, at one head_dim: minillm.lab.aot.cases ...
+W8A8_CASES = 2  # ... and the W8A8 kernel's, from sm_80 on
 # Turing has no tensor-core dots in Triton: its W4A16 kernel's FMA dots over a whole group
 # of 128 spill registers (slow, still correct); every other kernel spills at most this
 MAX_SPILL_BYTES = 256
@@ -45,7 +46,7 @@ def compile_ahead(*args: str) -> list[dict]:
 )
 def test_kernels_compile_for_the_gpu(arch, dtypes):
     rows = compile_ahead(str(arch), "--dtypes", *dtypes)
-    assert len(rows) == len(dtypes) * NUM_CASES
+    assert len(rows) == len(dtypes) * (NUM_CASES + (W8A8_CASES if arch >= 80 else 0))
     failed = [row for row in rows if not row["ok"] or row["shared_bytes"] > row["limit"]]
     assert not failed, failed
     for row in rows:
@@ -62,7 +63,8 @@ def test_kernels_compile_for_the_gpu(arch, dtypes):
         # tensor cores for 16-bit dots from Ampere on: wgmma for Hopper's big tiles
         dots = row["kernel"].split()[0] in ("flash_attention", "paged_decode_split")
         dots |= row["kernel"].startswith(("w8a16", "w4a16 "))
-        if dots and row["dtype"] != "fp32" and arch >= 80:
+        int8_dots = row["kernel"].startswith("w8a8")  # int8 operands whatever the output
+        if (dots and row["dtype"] != "fp32" or int8_dots) and arch >= 80:
             assert row["tensor_cores"] in ("mma.sync", "wgmma"), name
         else:
             assert row["tensor_cores"] == "none", name

@@ -46,3 +46,15 @@ def test_w4a16_crossover_by_scanning_the_floors():
         b16 - 1, n, k, device
     )
     assert compute_bound(b4, "w4a16") and not compute_bound(b4 - 1, "w4a16")
+
+
+def test_formula_points_stay_at_most_a_third_of_the_chapter():
+    """The exercise list the page glues: 14 graded cells, and the five that apply a stated
+    formula or API hold at most a third of the points."""
+    path = ch06_setup.__file__.rsplit("/minillm/", 1)[0] + "/exercises/ch06_quantization.ipynb"
+    points = ch06_setup.exercise_points(path)
+    assert points == [3, 2, 3, 5, 3, 3, 3, 3, 2, 2, 3, 2, 5, 4]
+    assert ch06_setup.FORMULA_EXERCISES == (1, 2, 5, 9, 11)
+    formula = ch06_setup.formula_points(points)
+    assert formula == 3 + 2 + 3 + 2 + 3 == 13
+    assert 3 * formula <= sum(points) == 43

@@ -137,3 +137,18 @@ def test_kv_fp8_scales_are_the_backends_scales():
     assert labels[1::2] == [f"float8_e4m3fn · v_scale {v:.3g}" for _, v in scales]
     model.model.layers[0].self_attn.backend.k_scale = 0.5
     assert dq.draw_kv_fp8_scales(model, runner.kv_caches).labels()[0].endswith("k_scale 0.5")
+
+
+def test_w8a8_diagram_shows_the_layers_tensors():
+    from minillm.model.quantization import W8A8Linear
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (6, 10), generator=g)
+    plain = W8A8Linear(codes, torch.rand(6), None, torch.float32)
+    labels = dq.draw_w8a8(plain, tokens=3).labels()
+    assert "x [3, 10] bfloat16" in labels and "y [3, 6] bfloat16" in labels
+    assert "qw [6, 10] int8" in labels and "sw [6] float32" in labels
+    assert "acc [3, 6] int32" in labels and "qx [3, 10] int8" in labels
+    assert "s folded before" in labels and "x / s (SmoothQuant)" not in labels
+    smoothed = W8A8Linear(codes, torch.rand(6), None, torch.float32, torch.rand(10) + 1)
+    assert "x / s (SmoothQuant)" in dq.draw_w8a8(smoothed, 5, torch.float32).labels()

@@ -221,6 +221,21 @@ def test_w8a8_error_falls_with_smoothing_on_outlier_channels():
     assert nm.w8a8_output_error(x, w, s) < nm.w8a8_output_error(x, w) / 2
 
 
+def test_the_engines_w8a8_layer_has_the_fake_quantized_error():
+    """The engine's int8 layer (integer matmul, float16-rounded weight scales) and the fake
+    quantization (float round trips) are two implementations of one scheme: their errors
+    agree to a few percent, with and without smoothing."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 128, generator=g)
+    x[:, [5, 77]] *= 40
+    w = torch.randn(32, 128, generator=g) * 0.05
+    s = nm.smoothquant_scales(x.abs().amax(0), w.abs().amax(0), 0.5)
+    for smooth in (None, s):
+        engine, fake = nm.engine_w8a8_error(x, w, smooth), nm.w8a8_output_error(x, w, smooth)
+        assert engine == pytest.approx(fake, rel=0.05)
+    assert nm.engine_w8a8_error(x, w, s) < nm.engine_w8a8_error(x, w) / 2
+
+
 def test_row_in_batch_is_exact_alone_and_per_row():
     x = torch.randn(16, 64, dtype=torch.float64)
     w = torch.randn(32, 64, dtype=torch.float64)
@@ -243,3 +258,22 @@ def test_bad_inputs_raise():
         nm.w4a16_batches(256, 512, get_device("H100 SXM"))
     with pytest.raises(ValueError, match="scheme"):
         nm.linear_floor_s(1, 8, 8, get_device("H100 SXM"), "w2a2")
+
+
+def test_linear_inputs_is_what_a_full_forward_feeds_the_layer():
+    from minillm.model.loader import load_model
+
+    model = load_model("minillm-stdlib-target", dtype="float32").model
+    ids = torch.randint(0, 4096, (2, 24), generator=torch.Generator().manual_seed(0))
+    down = model.model.layers[2].mlp.down_proj
+    seen = []
+    hook = down.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].detach()))
+    with torch.no_grad():
+        model.forward_causal(ids)
+    hook.remove()
+    got = nm.linear_inputs(model, down, ids)
+    assert got.shape == (2, 24, down.in_features)
+    torch.testing.assert_close(got, seen[0], rtol=0, atol=0)
+    assert not down._forward_pre_hooks  # the hook is gone
+    with pytest.raises(ValueError, match="not reached"):
+        nm.linear_inputs(model, torch.nn.Linear(2, 2), ids)

@@ -6,7 +6,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from quant_testing import tiny_model
 
-from minillm.model.quantization.awq import awq_search, fold_into_linear, fold_into_norm
+from minillm.model.quantization.awq import (
+    awq_clip_search,
+    awq_search,
+    clip_weights,
+    fold_into_linear,
+    fold_into_norm,
+)
 from minillm.model.quantization.rtn import INT8_PER_CHANNEL, dequantize, int4_spec, rtn
 
 
@@ -93,3 +99,61 @@ def test_folding_into_v_proj_without_gqa_leaves_the_model_unchanged():
 def test_a_single_grid_point_is_refused():
     with pytest.raises(ValueError, match="num_grid_points"):
         awq_search([torch.zeros(2, 32)], torch.eye(32), torch.ones(32), int4_spec(32), 1)
+
+
+def clip_oracle(x: torch.Tensor, w: torch.Tensor, group_size: int, ratios) -> torch.Tensor:
+    """The clipping search written from its definition, one group at a time: clip the group,
+    round it to nearest (int4 with a zero point), and measure the group's share of the
+    output error on the calibration inputs, sum_t (x_tg . (w_g - w^_g))^2, in float64."""
+    n, k = w.shape
+    best = torch.zeros(n, k // group_size, dtype=torch.float64)
+    for row in range(n):
+        for g in range(k // group_size):
+            cols = slice(g * group_size, (g + 1) * group_size)
+            wg = w[row, cols].double()
+            top = float(wg.abs().max())
+            errors = []
+            for r in ratios:
+                m = top * r
+                c = wg.clamp(-m, m)
+                low, high = min(float(c.min()), 0.0), max(float(c.max()), 0.0)
+                scale = max((high - low) / 15, 2.0**-14)
+                scale = float(torch.tensor(scale).half().float())
+                zero = min(max(round(-low / scale), 0), 15)
+                q = (torch.round(c / scale) + zero).clamp(0, 15)
+                d = wg - scale * (q - zero)
+                errors.append(float(((x[:, cols].double() @ d) ** 2).sum()))
+            best[row, g] = top * ratios[min(range(len(ratios)), key=errors.__getitem__)]
+    return best
+
+
+@given(n=st.integers(1, 6), groups=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_the_clipping_search_picks_the_range_the_definition_does(n, groups, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k = 32 * groups
+    x = activations(64, k, 2, gen)
+    w = torch.randn(n, k, generator=gen) * 0.1
+    w[:, 0] *= 6  # one large weight per row: a range worth clipping
+    hessian = 2 * x.T @ x / x.shape[0]
+    max_val, err = awq_clip_search(w, hessian, int4_spec(32))
+    ratios = [1 - i / 20 for i in range(10)]
+    expected = clip_oracle(x, w, 32, ratios)
+    torch.testing.assert_close(max_val.double(), expected, rtol=1e-5, atol=1e-7)
+    # never worse than no clipping, on the data it was chosen on
+    _, unclipped = awq_clip_search(w, hessian, int4_spec(32), max_shrink=0.05)
+    assert bool((err <= unclipped * (1 + 1e-6)).all())
+
+
+def test_clipping_shrinks_an_isolated_outlier_weight():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 32, generator=gen)
+    w = torch.randn(4, 32, generator=gen) * 0.05
+    w[:, 3] = 1.0  # one weight 20x the rest: the grid spends most codes on it ...
+    x[:, 3] *= 0.02  # ... and its input is small, so clipping it costs little output error
+    hessian = 2 * x.T @ x / 256
+    max_val, _ = awq_clip_search(w, hessian, int4_spec(32))
+    assert bool((max_val < 0.99).all())
+    linear = torch.nn.Linear(32, 4, bias=False)
+    linear.weight.data = w.clone()
+    clip_weights(linear, max_val)
+    assert torch.equal(linear.weight.abs().amax(dim=1), max_val[:, 0])

@@ -94,6 +94,8 @@ def test_bad_options_are_refused(calibration):
     with pytest.raises(ValueError, match="quantization must be"):
         check_quantization_args("int3", 128, "rtn")
     with pytest.raises(ValueError, match="method must be"):
+        check_quantization_args("int4", 128, "hqq")
+    with pytest.raises(ValueError, match="takes method"):
         check_quantization_args("int4", 128, "smoothquant")
     with pytest.raises(ValueError, match="fp8"):
         check_quantization_args("fp8", 128, "gptq")

@@ -9,6 +9,8 @@ the FP8 KV cache, each drawn from the engine's own definitions and tensors.
   nibble;
 - `draw_smoothquant`: per-channel ranges of activations and weights before and after
   `numerics.smoothquant_scales`;
+- `draw_w8a8`: the data flow of a `W8A8Linear`'s forward, with its tensors' shapes and
+  dtypes: per-token quantization, the int8 GEMM into int32, the scales in the epilogue;
 - `gptq_snapshots` / `draw_gptq_step`: the weights as `gptq_quantize` sees them when it
   quantizes each column (recorded from a real run);
 - `draw_kv_fp8_scales`: each layer's FP8 KV cache and the k_scale / v_scale its attention
@@ -28,7 +30,7 @@ from minillm.lab import numerics
 from minillm.lab.diagrams.canvas import Canvas
 from minillm.model.quantization import gptq as gptq_module
 from minillm.model.quantization.formats import FloatFormat, IntFormat
-from minillm.model.quantization.linear import Int4Linear
+from minillm.model.quantization.linear import Int4Linear, W8A8Linear
 from minillm.model.quantization.rtn import QuantSpec, find_grid
 
 SMALL = 9  # the smallest font the book uses
@@ -279,6 +281,52 @@ def draw_smoothquant(
     return c
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def draw_w8a8(layer: W8A8Linear, tokens: int, act_dtype: torch.dtype = torch.bfloat16) -> Canvas:
+    """One forward of `layer` on [tokens, K] activations: x is (divided by the layer's
+    SmoothQuant factors where it keeps them and) quantized per token; the int8 codes of x
+    and W meet in an int8 GEMM that sums in int32; the per-token and per-channel scales
+    multiply each int32 sum once, in the epilogue."""
+    n, k = layer.out_features, layer.in_features
+    m = tokens
+    c = Canvas(16.0, 8.0)
+    h, f = 0.9, SMALL
+    act = _dtype_name(act_dtype)
+    x = c.box(0.3, 6.8, 3.2, h, f"x [{m}, {k}] {act}", "request", fontsize=f)
+    if layer.input_smooth is not None:
+        step = c.box(4.1, 6.8, 2.6, h, "x / s (SmoothQuant)", "accent", fontsize=f)
+    else:
+        step = c.box(4.1, 6.8, 2.6, h, "s folded before", "accent", fontsize=f, dashed=True)
+    quant = c.box(7.3, 6.8, 4.3, h, "per token: sx = max|x_m| / 127", "compute", fontsize=f)
+    sx = c.box(0.3, 5.0, 3.2, h, f"sx [{m}] float32", "memory", fontsize=f)
+    qx = c.box(8.0, 5.0, 3.0, h, f"qx [{m}, {k}] int8", "memory", fontsize=f)
+    acc = c.box(4.1, 3.2, 2.9, h, f"acc [{m}, {n}] int32", "memory", fontsize=f)
+    gemm = c.box(8.0, 3.2, 3.0, h, "int8 x int8 GEMM", "compute", fontsize=f, bold=True)
+    qw_label = f"qw [{n}, {k}] {_dtype_name(layer.qweight.dtype)}"
+    qw = c.box(12.0, 3.2, 3.6, h, qw_label, "memory", fontsize=f)
+    epi = c.box(4.1, 1.4, 4.5, h, "epilogue: acc sx_m sw_n", "compute", fontsize=f)
+    sw_label = f"sw [{n}] {_dtype_name(layer.scales.dtype)}"
+    sw = c.box(12.0, 1.4, 3.6, h, sw_label, "memory", fontsize=f)
+    y = c.box(4.85, 0.1, 3.0, h * 0.9, f"y [{m}, {n}] {act}", "request", fontsize=f)
+    c.arrow(x, step)
+    c.arrow(step, quant)
+    c.arrow(quant, qx, sides=("bottom", "top"))
+    c.arrow(quant, sx, sides=("bottom", "right"))
+    c.arrow(qx, gemm, sides=("bottom", "top"))
+    c.arrow(qw, gemm, sides=("left", "right"))
+    c.arrow(gemm, acc, sides=("left", "right"))
+    c.arrow(acc, epi, sides=("bottom", "top"))
+    c.arrow(sx, epi, sides=("bottom", "left"), dashed=True)
+    c.arrow(sw, epi, sides=("left", "right"), dashed=True)
+    c.arrow(epi, y, sides=("bottom", "top"))
+    c.text(13.8, 4.5, "stored, quantized once", size=f, color="#6F6F6F")
+    c.text(1.9, 6.2, "computed on each call", size=f, color="#6F6F6F")
+    return c
+
+
 @dataclass(slots=True)
 class GptqSnapshot:
     """The weights of the block when `gptq_quantize` quantized `column` (in its order)."""
@@ -444,6 +492,7 @@ __all__ = [
     "draw_int4_packing",
     "draw_kv_fp8_scales",
     "draw_smoothquant",
+    "draw_w8a8",
     "gptq_snapshots",
     "kv_fp8_layer_scales",
     "scale_exponent",

@@ -1,7 +1,8 @@
 """Calibration: the token windows GPTQ and AWQ learn from, and what they record of them.
 
-GPTQ needs each linear layer's input Hessian H = 2 X^T X / T and AWQ the mean |x| of each
-input channel, over calibration inputs X: [T, K] that look like what the model will see.
+GPTQ needs each linear layer's input Hessian H = 2 X^T X / T, AWQ the mean |x| of each
+input channel and SmoothQuant its max |x|, over calibration inputs X: [T, K] that look like
+what the model will see.
 Calibration text must be kept apart from the text perplexity is measured on, or the
 measurement flatters the method. `default_calibration` therefore reads the bundled models'
 training corpus, the Python standard library of the running interpreter, minus the files
@@ -80,11 +81,13 @@ def default_calibration(
 
 
 class LinearInputStats:
-    """Records H = 2 X^T X / T and mean |x| per input channel of some linear layers."""
+    """Records H = 2 X^T X / T, mean |x| and max |x| per input channel of some linear
+    layers."""
 
     def __init__(self, linears: dict[str, nn.Linear]) -> None:
         self.hessian: dict[str, torch.Tensor] = {}
         self.abs_sum: dict[str, torch.Tensor] = {}
+        self.abs_max: dict[str, torch.Tensor] = {}
         self.count: dict[str, int] = {}
         self.handles = [
             linear.register_forward_pre_hook(self._hook(name)) for name, linear in linears.items()
@@ -97,9 +100,11 @@ class LinearInputStats:
                 k = x.shape[1]
                 self.hessian[name] = torch.zeros(k, k, device=x.device)
                 self.abs_sum[name] = torch.zeros(k, device=x.device)
+                self.abs_max[name] = torch.zeros(k, device=x.device)
                 self.count[name] = 0
             self.hessian[name] += 2 * x.T @ x
             self.abs_sum[name] += x.abs().sum(dim=0)
+            torch.maximum(self.abs_max[name], x.abs().amax(dim=0), out=self.abs_max[name])
             self.count[name] += x.shape[0]
 
         return record
@@ -113,3 +118,9 @@ class LinearInputStats:
         if name not in self.hessian:
             raise ValueError(f"no calibration input reached {name}")
         return self.hessian[name] / self.count[name], self.abs_sum[name] / self.count[name]
+
+    def amax(self, name: str) -> torch.Tensor:
+        """max |x| per input channel of one layer, [K] (SmoothQuant's statistic)."""
+        if name not in self.abs_max:
+            raise ValueError(f"no calibration input reached {name}")
+        return self.abs_max[name]

@@ -8,14 +8,19 @@ form of W:
   `kernels.quant_matmul.pack_int4`, one scale and one zero point per group of `group_size`
   input channels, w = s * (q - z).
 - `Fp8Linear`: float8 E4M3 weights with one float32 scale per output channel, w = s_n * q.
+- `W8A8Linear` (W8A8): int8 weights per output channel as in `Int8Linear`, and the
+  activations quantized too, per token, on every call: an int8 x int8 matmul summed in
+  int32, both scales applied afterwards (`kernels.int8_gemm`).
 
-Forward: on CUDA, the Triton W8A16 / W4A16 kernels, which read the packed bytes and
-dequantize in registers, so a decode step moves 1 or 1/2 byte per weight instead of 2. On a
-CPU (or for FP8, on every device) the layer dequantizes W to the activations' dtype and runs
-an ordinary matmul: the numbers are the same, the memory traffic is not — a dequantized copy
-of W is made on every call, so on a CPU a quantized model is smaller but not faster. FP8
-here is weight-only and emulated: real FP8 GEMMs (Hopper and Ada tensor cores) also quantize
-the activations (W8A8), which this layer does not.
+Forward of the weight-only layers: on CUDA, the Triton W8A16 / W4A16 kernels, which read the
+packed bytes and dequantize in registers, so a decode step moves 1 or 1/2 byte per weight
+instead of 2. On a CPU (or for FP8, on every device) the layer dequantizes W to the
+activations' dtype and runs an ordinary matmul: the numbers are the same, the memory traffic
+is not — a dequantized copy of W is made on every call, so on a CPU a quantized model is
+smaller but not faster. FP8 here is weight-only and emulated: real FP8 GEMMs (Hopper and Ada
+tensor cores) also quantize the activations, which this layer does not. `W8A8Linear` does,
+in int8: its matmul multiplies integer codes on every device (the W8A8 Triton kernel on
+CUDA, `torch._int_mm` on a CPU).
 
 The buffers are not part of `state_dict()`: a quantized model is written and read in the
 public GPTQ / AWQ layouts by `minillm.model.quantization.checkpoint`, and the float
@@ -27,6 +32,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import int8_gemm
+from kernels.int8_gemm import quantize_per_token, w8a8_matmul
 from kernels.quant_matmul import pack_int4, unpack_int4, w4a16_matmul, w8a16_matmul
 
 # group sizes the W4A16 kernel handles; others run the dequantize path on every device
@@ -38,7 +45,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 class QuantizedLinear(nn.Module):
     """y = x W^T + b with W kept quantized; subclasses say how W is stored."""
 
-    quantization = ""  # "int8" | "int4" | "fp8"
+    quantization = ""  # "int8" | "int4" | "fp8" | "w8a8"
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -224,6 +231,80 @@ class Fp8Linear(QuantizedLinear):
 
     def dequantize(self) -> torch.Tensor:
         return self.weight_bits.view(FP8_DTYPE).float() * self.scales.float()[:, None]
+
+
+class W8A8Linear(QuantizedLinear):
+    """W8A8: int8 weights q_w in [-127, 127] with one float32 scale per output channel, and
+    int8 activations with one scale per token, computed from each call's x (dynamic):
+
+        y[m, n] = sx_m sw_n sum_k qx[m, k] qw[n, k],   sx_m = max_k |x[m, k]| / 127.
+
+    The sum is over integers, exact in int32; the scales are applied once per output.
+    `input_smooth` (SmoothQuant, where the division could not be folded into the layer
+    before): x is divided by it, per input channel, before it is quantized.
+    """
+
+    quantization = "w8a8"
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        input_smooth: torch.Tensor | None = None,
+    ) -> None:
+        """codes: [N, K] integers in [-127, 127]; scales: [N] or [N, 1]; dtype: the
+        activations' (the output's and the bias's); input_smooth: [K] positive or None."""
+        n, k = codes.shape
+        super().__init__(k, n, None if bias is None else bias.to(dtype))
+        if codes.numel() and (codes.min() < -127 or codes.max() > 127):
+            raise ValueError("int8 codes must lie in [-127, 127]")
+        self.register_buffer("qweight", codes.to(torch.int8).contiguous(), persistent=False)
+        self.register_buffer(
+            "scales", scales.reshape(n).to(torch.float32).contiguous(), persistent=False
+        )
+        if input_smooth is not None:
+            input_smooth = input_smooth.to(torch.float32).reshape(k)
+            if not bool((input_smooth > 0).all()):
+                raise ValueError("input_smooth must be positive")
+        self.register_buffer("input_smooth", input_smooth, persistent=False)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights W' = W diag(s) actually multiplied, float32 [N, K] (the input's
+        smoothing divisor is not in them)."""
+        return self.qweight.float() * self.scales[:, None]
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> (codes [M, K] int8, scales [M] float32), after the smoothing divisor."""
+        if self.input_smooth is not None:
+            x = x.float() / self.input_smooth
+        return quantize_per_token(x)
+
+    @property
+    def has_kernel(self) -> bool:
+        return True
+
+    def forward_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        qx, x_scales = self.quantize_input(x)
+        if int8_gemm.supported(x.device):
+            return w8a8_matmul(qx, x_scales, self.qweight, self.scales, out_dtype=x.dtype)
+        # before Ampere: the same integer sums, exact in float64 (|sum| < 2^53)
+        dots = qx.double() @ self.qweight.double().T
+        return (dots.float() * x_scales[:, None] * self.scales[None, :]).to(x.dtype)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The same arithmetic in PyTorch: the int8 x int8 products summed in int32
+        (`torch._int_mm`), then both scales in float32."""
+        qx, x_scales = self.quantize_input(x)
+        if self.in_features > 1:
+            dots = torch._int_mm(qx, self.qweight.T)  # [M, N] int32
+        else:  # torch._int_mm returns garbage for K = 1 on a CPU: one product per output
+            dots = qx.to(torch.int32) * self.qweight.to(torch.int32).T
+        return (dots.float() * x_scales[:, None] * self.scales[None, :]).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, smoothed_input={self.input_smooth is not None}"
 
 
 def linear_layers(model: nn.Module) -> dict[str, QuantizedLinear]:
