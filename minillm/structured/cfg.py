@@ -66,6 +66,7 @@ class Ref:
 @dataclass(frozen=True, slots=True)
 class Term:
     pattern: str  # a regex in minillm.structured.regex's subset (a string is escaped)
+    label: str = ""  # as written in the grammar: "..." or /.../
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,9 +193,11 @@ class _Parser:
             self.pos += 1
             return inner if char == "(" else Quant(inner, "?")
         if char == '"':
-            return Term(escape(self.string()))
+            text = self.string()
+            return Term(escape(text), '"' + text.replace("\n", "\\n") + '"')
         if char == "/":
-            return Term(self.regex())
+            pattern = self.regex()
+            return Term(pattern, f"/{pattern}/")
         if char in _NAME_START:
             return Ref(self.name(), start)
         raise self.error(f"unexpected {char!r}" if char else "unexpected end of grammar")
@@ -280,6 +283,8 @@ class ContextFreeGrammar:
     names: list[str]  # nonterminal names (expanded EBNF operators get `name~k`)
     rules: list[tuple[int, tuple[int, ...]]]
     terminals: list[DFA]
+    labels: list[str]  # each nonterminal as a reader knows it: its name, or the EBNF it expands
+    terminal_labels: list[str]
     by_lhs: list[list[int]] = field(init=False)
     nullable: frozenset[int] = field(init=False)
     # terminal t: per DFA state, the bitmask (bit b set) of the bytes with a move
@@ -339,6 +344,40 @@ class ContextFreeGrammar:
         if dead:
             raise GrammarError(f"rules that derive no finite string: {', '.join(dead)}")
         # an unproductive expanded operator (e.g. `x*` of a dead x) is caught through its owner
+
+    def symbol_label(self, symbol: int) -> str:
+        return self.terminal_labels[~symbol] if symbol < 0 else self.labels[symbol]
+
+    def item_label(self, item: tuple[int, int, int, int]) -> str:
+        """An item as `lhs → matched • rest`."""
+        rule, dot = item[0], item[1]
+        lhs, rhs = self.rules[rule]
+        parts = [self.symbol_label(s) for s in rhs]
+        return f"{self.labels[lhs]} → " + " ".join([*parts[:dot], "•", *parts[dot:]])
+
+    def parse_stacks(self, chart: list[EarleySet], limit: int = 4) -> list[list[tuple]]:
+        """Up to `limit` of the stacks the chart holds at its last position, each from the top
+        (an item about to read a terminal) down to the start rule: each item's parent is an
+        item of the set at its origin that waits for its rule."""
+        rules = self.rules
+        stacks: list[list[tuple]] = []
+
+        def down(stack: list[tuple]) -> None:
+            if len(stacks) >= limit:
+                return
+            rule, _, origin, _ = stack[-1]
+            if rule == 0:
+                stacks.append(list(stack))
+                return
+            for parent in chart[origin].waiting.get(rules[rule][0], ()):
+                if parent not in stack:
+                    stack.append(parent)
+                    down(stack)
+                    stack.pop()
+
+        for item in chart[-1].scanners:
+            down([item])
+        return stacks
 
     # -- the recognizer -------------------------------------------------------------------
 
@@ -479,6 +518,8 @@ class _Builder:
         self.source = source
         self.index: dict[str, int] = {}
         self.names: list[str] = ["start'"]
+        self.labels: list[str] = ["start'"]
+        self.terminal_labels: list[str] = []
         self.rules: list[tuple[int, tuple[int, ...]]] = []
         self.terminals: list[DFA] = []
         self.terminal_index: dict[str, int] = {}
@@ -493,9 +534,11 @@ class _Builder:
         for name in self.bodies:
             self.index[name] = len(self.names)
             self.names.append(name)
+            self.labels.append(name)
 
-    def terminal(self, pattern: str) -> int:
+    def terminal(self, pattern: str, label: str) -> int:
         if pattern not in self.terminal_index:
+            self.terminal_labels.append(label or f"/{pattern}/")
             dfa = compile_regex(pattern)
             self.terminal_states += dfa.num_states
             if self.terminal_states > MAX_TERMINAL_STATES:
@@ -515,9 +558,10 @@ class _Builder:
             )
         self.rules.append((lhs, tuple(rhs)))
 
-    def helper(self) -> int:
+    def helper(self, node) -> int:
         self.fresh += 1
         self.names.append(f"{self.owner}~{self.fresh}")
+        self.labels.append(_ebnf(node))
         return len(self.names) - 1
 
     def symbols(self, node) -> list[int]:
@@ -525,12 +569,12 @@ class _Builder:
         if isinstance(node, Seq):
             return [s for item in node.items for s in self.symbols(item)]
         if isinstance(node, Term):
-            return [] if node.pattern == "" else [self.terminal(node.pattern)]
+            return [] if node.pattern == "" else [self.terminal(node.pattern, node.label)]
         if isinstance(node, Ref):
             if node.name not in self.index:
                 raise _Parser(self.source).error(f"rule {node.name!r} is not defined", node.pos)
             return [self.index[node.name]]
-        helper = self.helper()
+        helper = self.helper(node)
         if isinstance(node, Alt):
             for option in node.options:
                 self.new_rule(helper, self.symbols(option))
@@ -554,7 +598,27 @@ class _Builder:
             options = body.options if isinstance(body, Alt) else (body,)
             for option in options:
                 self.new_rule(self.index[name], self.symbols(option))
-        return ContextFreeGrammar(self.source, self.names, self.rules, self.terminals)
+        return ContextFreeGrammar(
+            self.source,
+            self.names,
+            self.rules,
+            self.terminals,
+            self.labels,
+            self.terminal_labels,
+        )
+
+
+def _ebnf(node) -> str:
+    """A node of the syntax tree as EBNF text."""
+    if isinstance(node, Ref):
+        return node.name
+    if isinstance(node, Term):
+        return node.label or f"/{node.pattern}/"
+    if isinstance(node, Seq):
+        return " ".join(_ebnf(item) for item in node.items)
+    if isinstance(node, Alt):
+        return " | ".join(_ebnf(option) for option in node.options)
+    return f"({_ebnf(node.body)}){node.op}"
 
 
 @functools.lru_cache(maxsize=32)
