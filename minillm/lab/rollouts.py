@@ -2,9 +2,10 @@
 
 In reinforcement learning from an inference engine's rollouts, the engine samples tokens and
 reports their logprobs (in bfloat16, batched, with its own kernels); the trainer recomputes the
-same tokens' logprobs with a full-sequence forward of its own (here transformers' Llama in
-float32). The policy-gradient ratio pi_trainer / pi_sampler should be 1 for on-policy data;
-the numerical gap makes it differ per token. `rollout_gap` measures that gap, and
+same tokens' logprobs with a full-sequence forward of its own (here in float32: minillm's
+model without a KV cache on the book's page, transformers' Llama in the tests). The
+policy-gradient ratio pi_trainer / pi_sampler should be 1 for on-policy data; the numerical
+gap makes it differ per token. `rollout_gap` measures that gap, and
 `greedy_near_ties` the cases where "greedy is identical" can fail: positions whose two best
 logits are closer than bfloat16 can resolve.
 
@@ -50,9 +51,12 @@ def near_tie_mask(logits: torch.Tensor) -> torch.Tensor:
 
 def trainer_logits(model, sequence: Sequence[int]) -> torch.Tensor:
     """[len(sequence) - 1, vocab] float32 logits of a full-sequence forward: row i predicts
-    sequence[i + 1]."""
+    sequence[i + 1]. `model` is minillm's `LlamaForCausalLM` (its `forward_causal`: one pass
+    over the whole sequence, no KV cache) or a transformers causal LM."""
     with torch.no_grad():
         ids = torch.tensor([list(sequence)])
+        if hasattr(model, "forward_causal"):
+            return model.forward_causal(ids)[0, :-1].float()
         return model(ids).logits[0, :-1].float()
 
 

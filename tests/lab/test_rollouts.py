@@ -82,6 +82,14 @@ def test_a_float32_engine_matches_the_float32_trainer_and_bfloat16_does_not(mode
     assert rounded.abs_max < 0.5  # and small: the same model
 
 
+def test_minillms_full_sequence_forward_is_a_float32_trainer_too(models):
+    from minillm.model.loader import load_model
+
+    fp32, _, _ = models
+    trainer = load_model("minillm-stdlib-target", dtype="float32").model
+    assert rollout_gap(fp32, trainer, PROMPTS, 16).abs_max < 2e-5
+
+
 def test_greedy_in_float32_has_no_flips(models):
     fp32, _, hf = models
     ties = greedy_near_ties(fp32, hf, PROMPTS, 16)
