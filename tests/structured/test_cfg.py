@@ -332,3 +332,77 @@ def test_token_masks_equal_xgrammars_on_the_held_grammars(setup, grammar_text):
     _, compiler, _ = setup
     compiled = compiler.compile_grammar(to_xgrammar(grammar_text))
     assert compare_walks(setup, compile_grammar(grammar_text), compiled, 4, 14) >= 8
+
+
+def test_positions_with_the_same_stack_share_a_key_and_others_do_not():
+    grammar = compile_grammar(SQL)
+
+    def key(text: bytes):
+        chart = [grammar.initial_set()]
+        for byte in text:
+            chart.append(grammar.scan(chart, byte))
+        return chart[-1].state_key(chart)
+
+    # a name after the first comma and after the fourth: the same continuations
+    assert key(b"SELECT a,b") == key(b"SELECT a,b,c,d,e")
+    assert key(b"SELECT a,") == key(b"SELECT abc,de,")
+    # a column name and a table name differ (" FROM " may follow one, only the end the other)
+    assert key(b"SELECT a") != key(b"SELECT a FROM b")
+    brackets = compile_grammar(BRACKETS)
+
+    def depth_key(text: bytes):
+        chart = [brackets.initial_set()]
+        for byte in text:
+            chart.append(brackets.scan(chart, byte))
+        return chart[-1].state_key(chart)
+
+    # nesting changes the stack: every depth is a new key
+    assert len({depth_key(b"(" * n) for n in range(1, 6)}) == 5
+
+
+@given(grammars())
+def test_cached_masks_equal_masks_computed_afresh(setup, text):
+    """The mask cache keyed by parser state never hands a position another state's mask."""
+    tokenizer, _, manager = setup
+    grammar = compile_grammar(text)
+    rng = random.Random(text)
+    eos = tokenizer.eos_token_id
+    for walk in range(2):
+        output: list[int] = []
+        for _ in range(6):
+            cached = manager.allowed_mask(f"fresh/{walk}", grammar, output, [eos])
+            matcher = manager.matchers[f"fresh/{walk}"]
+            fresh = torch.zeros_like(cached)
+            fresh[matcher.allowed_token_ids()] = True
+            if matcher.is_accepting():
+                fresh[eos] = True
+            assert torch.equal(cached, fresh)
+            choices = [t for t in cached.nonzero().flatten().tolist() if t != eos]
+            if not choices:
+                break
+            output.append(rng.choice(choices))
+        manager.free(f"fresh/{walk}")
+
+
+def test_cached_masks_at_every_depth_of_nesting(setup):
+    """Prefixes that differ only below the top of the stack ("(x" and "((x") must not share a
+    mask: after "((x" the token "))" is allowed, after "(x" it is not."""
+    tokenizer, _, manager = setup
+    vocab = token_bytes(tokenizer, tokenizer.vocab_size)
+    ids = {data: i for i, data in enumerate(vocab) if data}
+    assert b"))" in ids  # the check needs a token that closes two brackets
+    grammar = compile_grammar('start: "(" start ")" | "[" start "]" | "x"')
+    eos = tokenizer.eos_token_id
+    masks = {}
+    for n, text in enumerate(["(x)", "((x))", "(((x)))", "([x])", "[(x)]"]):
+        output = [ids[bytes([c])] for c in text.encode()]
+        for end in range(len(output) + 1):
+            cached = manager.allowed_mask(f"depth/{n}", grammar, output[:end], [eos])
+            matcher = manager.matchers[f"depth/{n}"]
+            fresh = torch.zeros_like(cached)
+            fresh[matcher.allowed_token_ids()] = True
+            fresh[eos] = matcher.is_accepting()
+            assert torch.equal(cached, fresh), (text, end)
+            masks[text[:end]] = cached
+        manager.free(f"depth/{n}")
+    assert masks["((x"][ids[b"))"]] and not masks["(x"][ids[b"))"]]
