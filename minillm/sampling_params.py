@@ -11,6 +11,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from minillm.structured.cfg import ContextFreeGrammar, compile_grammar
 from minillm.structured.json_schema import schema_to_regex
 from minillm.structured.regex import compile_regex, escape
 
@@ -43,28 +44,43 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutputsParams:
-    """A constraint on the text of a request: exactly one of regex, json or choice.
+    """A constraint on the text of a request: exactly one of regex, json, choice or grammar.
 
     vLLM's names since v0.10.2, which renamed `guided_decoding=GuidedDecodingParams` (the old
     names were dropped in v0.12). Fields:
     `regex` (the whole output matches it, `minillm.structured.regex` lists the subset), `json`
     (a JSON schema, as a dict or its text, in the subset of `minillm.structured.json_schema`;
-    the output is one JSON value in `json.dumps`'s layout) and `choice` (the output is one of
-    the strings). Each is compiled to one regex (`pattern`), checked and compiled here, so a
-    bad constraint is a ValueError where it enters.
+    the output is one JSON value in `json.dumps`'s layout), `choice` (the output is one of
+    the strings) and `grammar` (the output is a sentence of a context-free grammar in the EBNF
+    subset of `minillm.structured.cfg`). The first three are compiled to one regex, a grammar
+    to a `ContextFreeGrammar` (`pattern`, either way), checked and compiled here, so a bad
+    constraint is a ValueError where it enters.
     """
 
     json: dict | str | None = None
     regex: str | None = None
     choice: Sequence[str] | None = None
-    pattern: str = field(init=False, repr=False, compare=False, default="")
+    grammar: str | None = None
+    pattern: str | ContextFreeGrammar = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        names = ("json", "regex", "choice", "grammar")
+        given = [name for name in names if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(
-                f"structured_outputs needs exactly one of json, regex or choice, got {given}"
+                f"structured_outputs needs exactly one of json, regex, choice or grammar, "
+                f"got {given}"
             )
+        if self.grammar is not None:
+            _require(
+                isinstance(self.grammar, str), "structured_outputs.grammar", self.grammar, "a str"
+            )
+            try:
+                compiled = compile_grammar(self.grammar)
+            except ValueError as err:
+                raise type(err)(f"structured_outputs.grammar: {err}") from None
+            object.__setattr__(self, "pattern", compiled)
+            return
         if self.regex is not None:
             _require(isinstance(self.regex, str), "structured_outputs.regex", self.regex, "a str")
             pattern = self.regex

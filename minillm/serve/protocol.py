@@ -41,7 +41,6 @@ NEUTRAL_VALUES = {
 }
 # structured_outputs members minillm does not implement (vLLM's names), neutral when null or false
 UNSUPPORTED_STRUCTURED = (
-    "grammar",
     "structural_tag",
     "whitespace_pattern",
     "disable_fallback",
@@ -125,13 +124,15 @@ class ResponseFormat(_Strict):
 
 
 class StructuredOutputs(_Strict):
-    """vLLM's structured_outputs (StructuredOutputsParams): one of json, regex, choice or
-    json_object; the members minillm does not implement are refused unless null or false."""
+    """vLLM's structured_outputs (StructuredOutputsParams): one of json, regex, choice,
+    grammar or json_object; the members minillm does not implement are refused unless null or
+    false."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None
     json_object: bool | None = None
 
     def params(self) -> StructuredOutputsParams:
@@ -142,13 +143,17 @@ class StructuredOutputs(_Strict):
                 raise ValueError(
                     f"structured_outputs.{name} is not supported: "
                     + ("minillm does not implement it" if known else "no such member")
-                    + "; minillm supports json, regex, choice and json_object"
+                    + "; minillm supports json, regex, choice, grammar and json_object"
                 )
         if self.json_object:
-            if any(v is not None for v in (self.json_, self.regex, self.choice)):
-                raise ValueError("structured_outputs needs exactly one of json, regex or choice")
+            if any(v is not None for v in (self.json_, self.regex, self.choice, self.grammar)):
+                raise ValueError(
+                    "structured_outputs needs exactly one of json, regex, choice or grammar"
+                )
             return StructuredOutputsParams(regex=json_object_pattern())
-        return StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice)
+        return StructuredOutputsParams(
+            json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar
+        )
 
 
 class _SamplingFields(_Strict):

@@ -8,6 +8,10 @@ it), and cached on the compiled grammar, which all requests with the same constr
 
 Stop tokens (EOS, and the request's stop_token_ids) are allowed exactly in accepting states;
 when an accepting state has no way on, they are the only tokens allowed, so the request ends.
+
+A context-free grammar (`minillm.structured.cfg`) has no finite set of states: its matcher
+(`CFGMatcher`) keeps the Earley chart of the output, walks the same trie beside the
+recognizer, and caches masks by the parser state's key (`EarleySet.state_key`) instead.
 """
 
 from __future__ import annotations
@@ -20,12 +24,15 @@ from dataclasses import dataclass, field
 import torch
 
 from minillm.model.tokenizer import Tokenizer
+from minillm.structured.cfg import MAX_FORCED_BYTES, ContextFreeGrammar, EarleySet
 from minillm.structured.regex import DFA, compile_regex
 
 # compiled grammars an engine keeps for reuse, least recently used dropped first: each holds a
 # [vocab] mask per DFA state it has reached, which adds up over many distinct constraints (a
 # request still using a dropped grammar keeps it through its matcher)
 MAX_CACHED_GRAMMARS = 32
+# token masks a context-free grammar keeps, by parser state (each a [vocab] bool tensor)
+MAX_CACHED_CFG_MASKS = 1024
 
 
 @functools.lru_cache(maxsize=1)
@@ -131,6 +138,9 @@ class TokenGrammar:
             self.masks[state] = mask
         return mask
 
+    def new_matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self)
+
     def next_state(self, state: int, token_id: int) -> int:
         """The state after `token_id`, or -1 when the token is not allowed."""
         if not 0 <= token_id < len(self.vocab) or not self.vocab[token_id]:
@@ -164,6 +174,144 @@ class GrammarMatcher:
     def is_accepting(self) -> bool:
         return self.terminated or self.state in self.grammar.dfa.accepting
 
+    def token_mask(self) -> torch.Tensor:
+        """[vocab_size] bool: the tokens allowed next, stop tokens not included."""
+        return self.grammar.token_mask(self.state)
+
+    def forced_bytes(self) -> bytes:
+        return self.grammar.dfa.forced_bytes(self.state)
+
+    def walk_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Whether the grammar allows `token_ids` from here (the matcher does not move)."""
+        state = self.state
+        for token_id in token_ids:
+            state = self.grammar.next_state(state, token_id)
+            if state < 0:
+                return False
+        return True
+
+
+@dataclass(eq=False)
+class TokenCFG:
+    """A compiled context-free grammar over one vocabulary, and the token masks of the parser
+    states reached so far (by `EarleySet.state_key`: the stack, not the position; at most
+    MAX_CACHED_CFG_MASKS, the cache starts over when full)."""
+
+    cfg: ContextFreeGrammar
+    vocab: Sequence[bytes | None]
+    trie: TokenTrie
+    masks: dict[frozenset, torch.Tensor] = field(default_factory=dict)
+
+    def new_matcher(self) -> CFGMatcher:
+        return CFGMatcher(self, [self.cfg.initial_set()])
+
+
+@dataclass(slots=True, eq=False)
+class CFGMatcher:
+    """One request's place in a context-free grammar: the Earley chart of its output bytes
+    (one set per byte; the stacks the output is consistent with, all at once)."""
+
+    grammar: TokenCFG
+    chart: list[EarleySet]
+    num_tokens: int = 0
+    terminated: bool = False
+    _mask: torch.Tensor | None = None  # the mask at the current position, once computed
+
+    def accept_token(self, token_id: int, stop_token_ids: frozenset[int]) -> None:
+        """Advance over one output token; ValueError for a token the grammar does not allow."""
+        self.num_tokens += 1
+        if self.terminated:
+            return
+        if token_id in stop_token_ids and self.chart[-1].accepting:
+            self.terminated = True
+            return
+        vocab = self.grammar.vocab
+        data = vocab[token_id] if 0 <= token_id < len(vocab) else None
+        grown = self._walk(data) if data else None
+        if grown is None:
+            raise ValueError(f"token {token_id} is not allowed by the request's grammar here")
+        self.chart.extend(grown)
+        self._mask = None
+
+    def _walk(self, data: bytes) -> list[EarleySet] | None:
+        chart, scan = self.chart, self.grammar.cfg.scan
+        grown: list[EarleySet] = []
+        try:
+            for byte in data:
+                nxt = scan(chart, byte)
+                if nxt is None:
+                    return None
+                chart.append(nxt)
+                grown.append(nxt)
+        finally:
+            del chart[len(chart) - len(grown) :]
+        return grown
+
+    def is_accepting(self) -> bool:
+        return self.terminated or self.chart[-1].accepting
+
+    def allowed_token_ids(self) -> list[int]:
+        """The (non-stop) tokens whose bytes the grammar allows next, in id order: a walk of
+        the vocabulary trie beside the Earley recognizer, a byte no item can read pruning the
+        whole subtree below it."""
+        chart, scan = self.chart, self.grammar.cfg.scan
+        children, ends = self.grammar.trie.children, self.grammar.trie.token_ids
+        allowed: list[int] = []
+
+        def walk(node: int) -> None:
+            byte_mask = chart[-1].byte_mask
+            for byte, child in children[node].items():
+                if not byte_mask >> byte & 1:
+                    continue
+                allowed.extend(ends[child])
+                if children[child]:
+                    chart.append(scan(chart, byte))
+                    walk(child)
+                    chart.pop()
+
+        walk(0)
+        allowed.sort()
+        return allowed
+
+    def token_mask(self) -> torch.Tensor:
+        """[vocab_size] bool: the tokens allowed next, stop tokens not included."""
+        if self._mask is None:
+            masks = self.grammar.masks
+            key = self.chart[-1].state_key(self.chart)
+            mask = masks.get(key)
+            if mask is None:
+                mask = torch.zeros(len(self.grammar.vocab), dtype=torch.bool)
+                mask[self.allowed_token_ids()] = True
+                if len(masks) >= MAX_CACHED_CFG_MASKS:
+                    masks.clear()
+                masks[key] = mask
+            self._mask = mask
+        return self._mask
+
+    def forced_bytes(self) -> bytes:
+        """The bytes every sentence must read next: while the output is not a sentence and
+        exactly one byte can follow (at most MAX_FORCED_BYTES)."""
+        chart, scan = self.chart, self.grammar.cfg.scan
+        out = bytearray()
+        try:
+            while len(out) < MAX_FORCED_BYTES and not chart[-1].accepting:
+                mask = chart[-1].byte_mask
+                if mask == 0 or mask & (mask - 1):
+                    break
+                byte = mask.bit_length() - 1
+                chart.append(scan(chart, byte))
+                out.append(byte)
+        finally:
+            del chart[len(chart) - len(out) :]
+        return bytes(out)
+
+    def walk_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Whether the grammar allows `token_ids` from here (the matcher does not move)."""
+        vocab = self.grammar.vocab
+        data = b"".join(vocab[t] or b"" if 0 <= t < len(vocab) else b"" for t in token_ids)
+        ok = all(0 <= t < len(vocab) and vocab[t] for t in token_ids)
+        return ok and self._walk(data) is not None
+
 
 class StructuredOutputManager:
     """The compiled grammars of an engine (shared by requests with the same constraint) and
@@ -184,12 +332,16 @@ class StructuredOutputManager:
             self._trie = TokenTrie(self._vocab)
         return self._vocab
 
-    def grammar(self, pattern: str) -> TokenGrammar:
-        """The grammar of a regex over this vocabulary, compiled once."""
+    def grammar(self, pattern: str | ContextFreeGrammar) -> TokenGrammar | TokenCFG:
+        """The grammar of a regex (or a compiled context-free grammar) over this vocabulary,
+        compiled once."""
         grammar = self.grammars.get(pattern)
         if grammar is None:
             vocab = self.vocab
-            grammar = TokenGrammar(compile_regex(pattern), vocab, self._trie)
+            if isinstance(pattern, ContextFreeGrammar):
+                grammar = TokenCFG(pattern, vocab, self._trie)
+            else:
+                grammar = TokenGrammar(compile_regex(pattern), vocab, self._trie)
             self.grammars[pattern] = grammar
             if len(self.grammars) > MAX_CACHED_GRAMMARS:
                 self.grammars.popitem(last=False)
@@ -198,13 +350,17 @@ class StructuredOutputManager:
         return grammar
 
     def matcher(
-        self, request_id: str, pattern: str, output_token_ids: Sequence[int], stop_ids
-    ) -> GrammarMatcher:
+        self,
+        request_id: str,
+        pattern: str | ContextFreeGrammar,
+        output_token_ids: Sequence[int],
+        stop_ids,
+    ) -> GrammarMatcher | CFGMatcher:
         """The request's matcher, advanced over any output tokens it has not seen (sampled or
         jumped over since the last step)."""
         matcher = self.matchers.get(request_id)
         if matcher is None or matcher.num_tokens > len(output_token_ids):
-            matcher = GrammarMatcher(self.grammar(pattern))
+            matcher = self.grammar(pattern).new_matcher()
             self.matchers[request_id] = matcher
         for token_id in output_token_ids[matcher.num_tokens :]:
             matcher.accept_token(token_id, stop_ids)
@@ -213,7 +369,7 @@ class StructuredOutputManager:
     def allowed_mask(
         self,
         request_id: str,
-        pattern: str,
+        pattern: str | ContextFreeGrammar,
         output_token_ids: Sequence[int],
         stop_token_ids: Sequence[int],
     ) -> torch.Tensor:
@@ -224,7 +380,7 @@ class StructuredOutputManager:
         if matcher.terminated:
             mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         else:
-            mask = matcher.grammar.token_mask(matcher.state).clone()
+            mask = matcher.token_mask().clone()
         if matcher.is_accepting() or not mask.any():
             ids = [t for t in stop_ids if 0 <= t < self.vocab_size]
             mask[ids] = True
@@ -233,7 +389,7 @@ class StructuredOutputManager:
     def jump_forward_tokens(
         self,
         request_id: str,
-        pattern: str,
+        pattern: str | ContextFreeGrammar,
         output_token_ids: Sequence[int],
         stop_token_ids: Sequence[int],
         max_tokens: int,
@@ -252,7 +408,7 @@ class StructuredOutputManager:
         matcher = self.matcher(request_id, pattern, output_token_ids, frozenset(stop_token_ids))
         if matcher.terminated:
             return []
-        forced = matcher.grammar.dfa.forced_bytes(matcher.state)
+        forced = matcher.forced_bytes()
         text = forced.decode("utf-8", "ignore")  # drops a partial character at the end
         if not text or text.encode() != forced[: len(text.encode())]:
             return []
@@ -260,12 +416,7 @@ class StructuredOutputManager:
         if self.tokenizer.decode(tokens, skip_special_tokens=False) != text:
             return []
         tokens = tokens[:-1][:max_tokens]
-        state = matcher.state
-        for token_id in tokens:
-            state = matcher.grammar.next_state(state, token_id)
-            if state < 0:
-                return []
-        return tokens
+        return tokens if matcher.walk_tokens(tokens) else []
 
     def free(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)

@@ -358,6 +358,40 @@ def dfa_with(rule):
     return FromNamespace(factory)
 
 
+# -- exercise 13: the next terminals of a pushdown automaton -------------------------------
+
+
+def pda_with(rule):
+    """A wrong allowed_next built on the notebook's own (correct) one."""
+
+    def factory(namespace):
+        allowed_next = namespace["allowed_next"]
+
+        def wrong(prefix, max_depth):
+            if rule == "no depth limit":
+                return allowed_next(prefix, 10**6)
+            if rule == "hard-coded":
+                return {")"} if prefix == "[(x" else {"x", "[", "(", "]"}
+            got = allowed_next(prefix, max_depth)
+            if rule == "forgets the empty list" and prefix.endswith("["):
+                return got - {"]"}
+            if rule == "a close with nothing open" and got == {"$"}:
+                return got | {"]", ")"}
+            if rule == "a counter, not a stack" and got & {"]", ")"}:
+                return got | {"]", ")"}
+            if rule == "commas inside parentheses" and ")" in got:
+                return got | {","}
+            if rule == "the end never allowed":
+                return got - {"$"}
+            if rule == "a sorted list":
+                return sorted(got)
+            return got
+
+        return wrong
+
+    return FromNamespace(factory)
+
+
 WRONG_ANSWERS = {
     "top_p_filter": {
         "drops the token that crosses top_p": top_p(rule="excludes the crossing token"),
@@ -454,11 +488,21 @@ WRONG_ANSWERS = {
         "hard-coded": dfa_with("hard-coded"),
         "a dict of states": dfa_with("a dict of states"),
     },
+    "allowed_next": {
+        "no stack depth limit": pda_with("no depth limit"),
+        "accepts a close with nothing open": pda_with("a close with nothing open"),
+        "a counter, not a stack (any close closes)": pda_with("a counter, not a stack"),
+        "forgets epsilon (no empty list)": pda_with("forgets the empty list"),
+        "commas inside parentheses": pda_with("commas inside parentheses"),
+        "the end never allowed": pda_with("the end never allowed"),
+        "hard-coded": pda_with("hard-coded"),
+        "a sorted list": pda_with("a sorted list"),
+    },
 }
 
 
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch07_decoding.ipynb"
     EXERCISE = ROOT / "exercises" / "ch07_decoding.ipynb"
-    POINTS = [3, 2, 2, 4, 2, 3, 3, 3, 3, 3, 2, 6]
+    POINTS = [3, 2, 2, 4, 2, 3, 3, 3, 3, 3, 2, 6, 5]
     WRONG_ANSWERS = WRONG_ANSWERS

@@ -117,3 +117,32 @@ def test_token_mask_is_the_grammars_mask():
     start = dd.draw_token_mask(grammar, 0, range(6), lambda t: vocab[t].decode()).labels()
     assert start[2:4] == [". → -inf", "- → keep"]
     assert torch.equal(grammar.token_mask(0), torch.tensor([1, 1, 0, 1, 0, 1], dtype=torch.bool))
+
+
+def test_parse_stack_is_read_from_the_earley_chart():
+    from minillm.structured.cfg import compile_grammar
+
+    brackets = compile_grammar('start: "(" start ")" start | "[" start "]" start | "x"')
+    # after "([(" the output is inside three open brackets, innermost on top
+    assert dd.parse_stack(brackets, b"([(", deepest=True) == [
+        'start → • "(" start ")" start',
+        'start → "(" • start ")" start',
+        'start → "[" • start "]" start',
+        'start → "(" • start ")" start',
+        "start' → • start",
+    ]
+    sql = compile_grammar(
+        'start: "SELECT " cols " FROM " name\ncols: name ("," name)*\nname: /[a-z]+/'
+    )
+    assert dd.parse_stack(sql, b"SELECT ab,c") == [
+        "name → • /[a-z]+/",
+        '("," name)* → ("," name)* "," • name',
+        'cols → name • ("," name)*',
+        'start → "SELECT " • cols " FROM " name',
+        "start' → • start",
+    ]
+    with pytest.raises(ValueError, match="not a prefix"):
+        dd.parse_stack(brackets, b"(]")
+    frames = dd.parse_stack(sql, b"SELECT ab FROM x")
+    canvas = dd.draw_parse_stacks([("a", frames), ("b", ["one", "two"])])
+    assert canvas.labels() == [*frames, "one", "two"]

@@ -203,6 +203,10 @@ def test_json_object_returns_a_json_object(server, client):
         ({"json": SCHEMA}, lambda text: valid(json.loads(text))),
         ({"json": json.dumps(SCHEMA), "grammar": None}, lambda text: valid(json.loads(text))),
         ({"json_object": True}, lambda text: isinstance(json.loads(text), dict)),
+        (
+            {"grammar": 'start: "SELECT " name ("," name)? " FROM " name\nname: /[a-z]{1,5}/'},
+            lambda text: re.fullmatch("SELECT [a-z]{1,5}(,[a-z]{1,5})? FROM [a-z]{1,5}", text),
+        ),
     ],
 )
 def test_vllm_structured_outputs_constrain_the_completion(server, client, constraint, check):
@@ -221,7 +225,8 @@ def test_vllm_structured_outputs_constrain_the_completion(server, client, constr
 @pytest.mark.parametrize(
     ("extra", "param", "words"),
     [
-        ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs", "grammar"),
+        ({"structured_outputs": {"grammar": "root ::= b"}}, "structured_outputs", "'b' is not"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "structural"),
         ({"structured_outputs": {"regex": "("}}, "structured_outputs", "regex"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one"),
         ({"structured_outputs": {"json": {"type": "object"}, "json_object": True}}, None, "one"),

@@ -159,8 +159,8 @@ def test_jump_forward_skips_forwards_over_forced_text(llm):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(), "exactly one of json, regex or choice"),
-        (dict(regex="a", choice=["a"]), "exactly one of json, regex or choice"),
+        (dict(), "exactly one of json, regex, choice or grammar"),
+        (dict(regex="a", choice=["a"]), "exactly one of json, regex, choice or grammar"),
         (dict(regex="(ab"), "missing ), unterminated subpattern"),
         (dict(regex="^x$"), "anchors"),
         (dict(regex=3), "structured_outputs.regex must be a str"),

@@ -8,7 +8,9 @@ grammar's token mask, each drawn from the engine's own code or from a real run.
 - `record_spec_rounds` records every verification of a real speculative run (drafts, how
   many were accepted, the tokens emitted); `draw_spec_round` draws one;
 - `draw_ngram_lookup` draws what `ngram_propose` matched and proposed for a token sequence;
-- `draw_token_mask` draws which of a few vocabulary tokens a grammar state allows.
+- `draw_token_mask` draws which of a few vocabulary tokens a grammar state allows;
+- `parse_stack` and `draw_parse_stacks` read a stack out of a context-free grammar's Earley
+  chart after a prefix and draw it, one frame per rule the output is inside.
 """
 
 from __future__ import annotations
@@ -370,6 +372,49 @@ def draw_token_mask(
         f"state {state}: {int(mask.sum())} of {len(mask)} tokens allowed",
         size=SMALL,
     )
+    return c
+
+
+def parse_stack(grammar, prefix: bytes, deepest: bool = False) -> list[str]:
+    """The rules `grammar` (a `ContextFreeGrammar`) is inside after `prefix`, top first: one of
+    the stacks its Earley chart holds (the first found, or the deepest), each frame an item
+    `rule → matched • rest`."""
+    chart = [grammar.initial_set()]
+    for byte in prefix:
+        nxt = grammar.scan(chart, byte)
+        if nxt is None:
+            raise ValueError(f"{prefix!r} is not a prefix of the grammar's language")
+        chart.append(nxt)
+    stacks = grammar.parse_stacks(chart, limit=16)
+    stack = max(stacks, key=len) if deepest else stacks[0]
+    return [grammar.item_label(item) for item in stack]
+
+
+def draw_parse_stacks(panels: Sequence[tuple[str, Sequence[str]]]) -> Canvas:
+    """Stacks drawn top frame first, one panel per (title, frames), panels one under another;
+    the top frame (the terminal being read) is highlighted, the start rule at the bottom."""
+    row, gap, width = 0.62, 0.12, 14.0
+    height = sum(0.8 + len(frames) * (row + gap) for _, frames in panels) + 0.2
+    c = Canvas(width, height)
+    y = height - 0.2
+    for title, frames in panels:
+        c.text(0.3, y - 0.3, title, size=SMALL, ha="left", fontweight="bold")
+        y -= 0.8
+        for depth, frame in enumerate(frames):
+            y -= row + gap
+            c.box(
+                1.4,
+                y,
+                width - 1.7,
+                row,
+                frame,
+                "compute" if depth == 0 else "memory",
+                fontsize=SMALL - 0.5,
+                fill=0.55 if depth == 0 else 0.8,
+            )
+            tag = "top" if depth == 0 else ("bottom" if depth == len(frames) - 1 else "")
+            if tag:
+                c.text(0.75, y + row / 2, tag, size=SMALL - 1)
     return c
 
 
