@@ -644,6 +644,19 @@ def limit_resources(cpu_s: float, memory_gib: float) -> list[str]:
     return refused
 
 
+def process_limit_warning() -> str | None:
+    """What the grader says when a submission's processes cannot be limited: the kernel
+    does not hold root to RLIMIT_NPROC. (Running the student's process as an unprivileged
+    user would need that user to read the Python installation, which a root-only install
+    under /root does not allow.)"""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return None
+    return (
+        "grading runs as root, whom the kernel does not hold to RLIMIT_NPROC, so the number "
+        "of processes a submission starts is not limited; grade as another user"
+    )
+
+
 # seccomp: socket() for anything but AF_UNIX, and io_uring (which makes sockets without it),
 # fail with EACCES; so does every system call of another architecture's ABI
 SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
@@ -1115,6 +1128,8 @@ def _student(grader: Grader, k: int, submission: dict, workdir: str, sock, check
     conn.exported[0] = lambda: {"names": names, "notes": notes}
     conn.exported[1] = lambda: changes()
     conn.exported[2] = lambda: _check_here(setup, names, conn.sources, *check)
+    conn.exported[3] = lambda name, value: student.__setitem__(str(name), value)
+    conn.exported[4] = lambda source, values: _watch_here(setup, names, source, values)
     conn.serve_forever()
     os._exit(0)
 
@@ -1132,6 +1147,50 @@ def _check_here(setup: dict, names: dict, sources: dict, code, filename, check_s
     return {"passed": True, "error": None}
 
 
+def _watch_here(setup: dict, names: dict, source, values) -> object:
+    """The part of a check that watches the student's code from inside (see `watch`), run
+    in the student's process: its `result`, which the check receives as plain data."""
+    namespace = dict(setup)
+    namespace.update(names)
+    namespace.update(values if type(values) is dict else {})
+    exec(compile(str(source), "<the check, in your process>", "exec"), namespace)
+    return namespace.get("result")
+
+
+def _check_helpers(conn: remote.Connection, watched: list[bool]) -> dict:
+    """How `minillm.course.watching`'s `lend` and `watch` work when a check is graded."""
+
+    def lend(name: str, value: object) -> None:
+        """Bind `name` in the student's namespace to the check's own `value`: the student's
+        functions that use that global (a model, the setup's engine, the `time` module)
+        then call into the check's process, where the check sees each call."""
+        conn.request("call", 3, name, remote.ByReference(value))
+
+    def watch(source: str, **values) -> object:
+        """Run `source` (the check's own code) in the student's process, with the student's
+        names and `values`, and return its `result` as plain data: for what can only be
+        seen from inside (the operations a torch function mode records). The exercise is
+        then flagged as checked partly in the student's process."""
+        watched[0] = True
+        return conn.request("call", 4, source, values)
+
+    return {**CHECK_HELPERS, "_minillm_lend": lend, "_minillm_watch": watch}
+
+
+def lent_names(tree: ast.AST) -> set[str]:
+    """The names a check lends the student's code: `lend("model", model)`."""
+    return {
+        node.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "lend"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    }
+
+
 def student_process_check(source: str) -> bool:
     """Whether a check watches the student's code from inside, which only works in the
     process that runs that code: a torch function mode that records the operations it
@@ -1141,7 +1200,7 @@ def student_process_check(source: str) -> bool:
         tree = ast.parse(source)
     except SyntaxError:
         return False
-    created: set[str] = set()
+    created: set[str] = lent_names(tree)  # what the student's code uses of them is the check's
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             created.add(node.id)
@@ -1191,7 +1250,8 @@ def _check(grader: Grader, k, code, filename, check_source, conn_sock, student_p
         if name in check and name not in grader.functions:
             continue  # names the setup defines keep the setup's values
         check[name] = value
-    check.update(CHECK_HELPERS)
+    watched = [False]
+    check.update(_check_helpers(conn, watched))
     sources = {filename: check_source}
     try:
         exec(code, check)
@@ -1215,6 +1275,8 @@ def _check(grader: Grader, k, code, filename, check_source, conn_sock, student_p
             + ", ".join(changed[:5])
             + ", which the checks rely on",
         }
+    if watched[0]:
+        result["student_process"] = True
     result["notes"] = notes
     return result
 
