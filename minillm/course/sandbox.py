@@ -1174,7 +1174,18 @@ def _check_helpers(conn: remote.Connection, watched: list[bool]) -> dict:
         watched[0] = True
         return conn.request("call", 4, source, values)
 
-    return {**CHECK_HELPERS, "_minillm_lend": lend, "_minillm_watch": watch}
+    def drive(source: str, **values) -> object:
+        """Run the check's harness `source` in the student's process, as `watch` does; the
+        check verifies its `result` against what its own functions in `values` recorded
+        (they run here, each call a request from the student's process)."""
+        return conn.request("call", 4, source, values)
+
+    return {
+        **CHECK_HELPERS,
+        "_minillm_lend": lend,
+        "_minillm_watch": watch,
+        "_minillm_drive": drive,
+    }
 
 
 def lent_names(tree: ast.AST) -> set[str]:

@@ -19,6 +19,11 @@ call. `watch(source, **values)` runs the check's own code `source` where the stu
 code runs, for what only that process can see (the operations a torch function mode
 records), and returns the name `result` it leaves; its answer could be forged, so the
 grader flags the exercise as checked partly in the student's process.
+`drive(source, **values)` runs a harness the same way, for a check that needs the
+student's code to run in its own process (a coroutine on the student's event loop), and
+is not flagged: the values it passes are the check's own functions, which the harness
+calls (each call runs in the check's process, on its clock), and the check verifies
+the harness's result against what those functions recorded.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import sys
 
 LEND_HOOK = "_minillm_lend"  # set by the grader in the check's namespace
 WATCH_HOOK = "_minillm_watch"
+DRIVE_HOOK = "_minillm_drive"
 
 
 def lend(name: str, value: object) -> None:
@@ -43,6 +49,18 @@ def watch(source: str, **values: object) -> object:
     """Run `source` with the student's names and `values`; return the `result` it sets."""
     caller = sys._getframe(1).f_globals
     hook = caller.get(WATCH_HOOK)
+    if hook is not None:
+        return hook(source, **values)
+    namespace = dict(caller)
+    namespace.update(values)
+    exec(compile(source, "<the check>", "exec"), namespace)
+    return namespace.get("result")
+
+
+def drive(source: str, **values: object) -> object:
+    """Like `watch`, for a harness whose result the check verifies with its own records."""
+    caller = sys._getframe(1).f_globals
+    hook = caller.get(DRIVE_HOOK)
     if hook is not None:
         return hook(source, **values)
     namespace = dict(caller)

@@ -142,3 +142,20 @@ def test_chapter_5s_watched_checks_cannot_be_forged(tmp_path):
         assert exercises[name].flags, name
     assert not exercises["ops_per_decode_step"].in_student_process
     assert not exercises["silu_mul_kernel"].in_student_process
+
+
+CH09 = {
+    "send_on_schedule": FORGE
+    + """
+async def send_on_schedule(starts_s, send):
+    _forge()
+""",
+}
+
+
+@pytest.mark.slow
+def test_chapter_9s_open_loop_check_cannot_be_forged(tmp_path):
+    exercises = graded(tmp_path, "ch09_metrics.ipynb", CH09)
+    assert exercises["send_on_schedule"].points == 0, exercises["send_on_schedule"].error
+    assert exercises["send_on_schedule"].flags
+    assert not exercises["send_on_schedule"].in_student_process
