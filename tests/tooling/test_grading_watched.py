@@ -159,3 +159,77 @@ def test_chapter_9s_open_loop_check_cannot_be_forged(tmp_path):
     assert exercises["send_on_schedule"].points == 0, exercises["send_on_schedule"].error
     assert exercises["send_on_schedule"].flags
     assert not exercises["send_on_schedule"].in_student_process
+
+
+# a fixture: a setup object whose method the check counts through `lend`, and a question
+# only the student's process can answer through `watch`
+FIXTURE_SETUP = """import math
+
+
+class Meter:
+    def read(self, x):
+        return math.sqrt(x)
+
+
+meter = Meter()"""
+
+FIXTURE_LEND = '''# GRADED: 2 points
+from minillm.course.watching import lend
+
+calls = []
+real_read = meter.read
+lend("meter", meter)
+meter.read = lambda x: calls.append(x) or real_read(x)
+try:
+    assert roots([4, 9]) == [2.0, 3.0]
+finally:
+    del meter.read
+assert calls == [4, 9], f"read the meter once per value: {calls}"'''
+
+FIXTURE_WATCH = '''# GRADED: 1 point
+from minillm.course.watching import watch
+
+assert twice(2) == 4
+assert watch("result = twice.__name__") == "twice"'''
+
+
+def fixture_cells():
+    from .conftest import code, md
+
+    return [
+        md("# Watched"),
+        code(FIXTURE_SETUP, "setup"),
+        md("## Exercise 1: roots (2 points)"),
+        code(
+            "def roots(xs):\n    ### BEGIN SOLUTION\n    return [meter.read(x) for x in xs]\n"
+            "    ### END SOLUTION",
+            "roots",
+        ),
+        code(FIXTURE_LEND, "roots-check"),
+        md("## Exercise 2: twice (1 point)"),
+        code(
+            "def twice(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION",
+            "twice",
+        ),
+        code(FIXTURE_WATCH, "twice-check"),
+    ]
+
+
+def test_a_lent_object_sees_the_students_calls_and_a_watched_check_is_flagged(tmp_path):
+    from .conftest import filled, released_fixture
+
+    released = released_fixture(tmp_path, fixture_cells())
+    honest = write_notebook(
+        tmp_path / "honest.ipynb",
+        filled(released, {"roots": "return [meter.read(x) for x in xs]", "twice": "return 2 * x"}),
+    )
+    # the right values without the meter: the check's count, kept in its own process, is 0
+    bypass = write_notebook(
+        tmp_path / "bypass.ipynb",
+        filled(released, {"roots": "return [x ** 0.5 for x in xs]", "twice": "return 2 * x"}),
+    )
+    [good, bad], problems = grade_notebooks([honest, bypass], reference=released)
+    assert problems == []
+    assert [e.passed for e in good.exercises] == [True, True]
+    assert [e.in_student_process for e in good.exercises] == [False, True]
+    assert not bad.exercises[0].passed and "once per value" in bad.exercises[0].error
