@@ -30,9 +30,15 @@ submission, a *check process* that
 4. writes the verdict to the grading process: only this process holds that pipe, and
    it is not dumpable, so that no process of the same user reads or writes its memory.
 
-A check that watches the student's code from inside (a torch function mode, a library
-attribute replaced while the student's code runs, or the tag `student-process`) runs in
-the student's process instead, and its result says so: there, a pass can be forged.
+A check that watches the student's code at work lends it its own objects
+(`minillm.course.watching.lend`: the student's global then names the check's object, and
+each call runs here, where the check records it), runs a harness of its own where the
+student's code runs and verifies the result against its own records (`drive`), or asks
+one question only that process can answer (`watch`: the exercise's result then says it
+was checked partly in the student's process). A check that replaces an attribute of an
+object it did not create and did not lend, defines a torch function mode, or carries the
+tag `student-process` runs in the student's process instead, and its result says so:
+there, a pass can be forged.
 
 A crash or a hang loses only that exercise: the time limit kills the check process's
 whole process group, the student's process with it. The result of each child is reported
