@@ -2,10 +2,10 @@
 through `variant` grades with other values than the public edition.
 
 The cheat is the one a public worked example invites: an answer that returns the value
-the public check expects for its worked example (the first call the check makes). It
-scores nothing on a class's private release, where the worked example's input is drawn
-from the class seed; the solutions score full marks on both editions, and every graded
-check of the chapter draws its worked example from the seed.
+the public check expects for its worked example (the first call the check makes). On
+each check that draws its worked example through `variant`, it scores nothing on a
+class's private release, where the worked example's input is drawn
+from the class seed; the solutions score full marks there.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from minillm.course.grading import grade_notebooks
 from .conftest import write_notebook
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CHAPTERS = ["ch00_conventions"]
+# chapter: how many of its checks draw a worked example through variant
+CHAPTERS = {"ch00_conventions": 5, "ch02_roofline": 1}
 
 
 def run_cell(source: str, namespace: dict) -> None:
@@ -33,18 +34,19 @@ def run_cell(source: str, namespace: dict) -> None:
     exec(compile(TransformerManager().transform_cell(source), "<cell>", "exec"), namespace)
 
 
-def recorded_answers(chapter: str) -> dict[str, dict]:
-    """{function: {args: result}} for every call the public checks make of the solution."""
+def recorded_answers(chapter: str) -> dict[str, list]:
+    """{function: [result, ...]} of every call the public checks make of the solution."""
     nb = nbformat.read(ROOT / "solutions" / f"{chapter}.ipynb", as_version=4)
     exercises = parse_exercises(nb)
     functions = {name for e in exercises.exercises for name in e.functions}
     checks = {e.check_cell for e in exercises.exercises}
     namespace: dict = {}
-    tables: dict[str, dict] = {name: {} for name in functions}
+    tables: dict[str, list] = {name: [] for name in functions}
 
     def recording(name, fn):
         def call(*args):
-            tables[name][args] = result = fn(*args)
+            result = fn(*args)
+            tables[name].append(result)
             return result
 
         return call
@@ -65,15 +67,17 @@ def recorded_answers(chapter: str) -> dict[str, dict]:
     return tables
 
 
-def hard_coded_notebook(chapter: str, tables: dict[str, dict]) -> nbformat.NotebookNode:
+def hard_coded_notebook(chapter: str, tables: dict[str, list]) -> nbformat.NotebookNode:
     """The released notebook answered with the public worked examples' expected values."""
     nb = nbformat.read(ROOT / "exercises" / f"{chapter}.ipynb", as_version=4)
     exercises = parse_exercises(nbformat.read(ROOT / "solutions" / f"{chapter}.ipynb", 4))
     for exercise in exercises.exercises:
+        if "variant(" not in exercise.check_source:
+            continue  # left unanswered
         [name] = exercise.functions
         [answer_id] = exercise.answer_ids
         [cell] = [c for c in nb.cells if c.get("id") == answer_id]
-        expected = next(iter(tables[name].values()))  # the worked example comes first
+        expected = tables[name][0]  # the worked example comes first
         cell.source = f"def {name}(*args):\n    return {expected!r}\n"
     return nb
 
@@ -89,7 +93,8 @@ def test_a_private_release_rejects_the_public_values_and_accepts_the_solution(tm
     )
     private = tmp_path / "private" / f"{chapter}.ipynb"
     checks = parse_exercises(nbformat.read(private, as_version=4)).exercises
-    assert all("variant(" in e.check_source for e in checks)
+    varied = [e.name for e in checks if "variant(" in e.check_source]
+    assert len(varied) == CHAPTERS[chapter]
     hard_coded = write_notebook(
         tmp_path / "hard_coded" / f"{chapter}.ipynb",
         hard_coded_notebook(chapter, recorded_answers(chapter)),
@@ -103,4 +108,4 @@ def test_a_private_release_rejects_the_public_values_and_accepts_the_solution(tm
     assert private_solution.points == private_solution.max_points, [
         (e.name, e.error) for e in private_solution.exercises if not e.passed
     ]
-    assert [e.name for e in private_hard_coded.exercises if e.passed] == []
+    assert [e.name for e in private_hard_coded.exercises if e.name in varied and e.passed] == []
