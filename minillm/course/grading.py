@@ -71,7 +71,7 @@ from minillm.course.notebook_io import (  # noqa: F401  (the book reads graded p
     parse_notebook,
     read_notebook,
 )
-from minillm.course.sandbox import landlock_abi
+from minillm.course.sandbox import landlock_abi, process_limit_warning
 
 DEFAULT_TIMEOUT_S = 60
 SETUP_TIMEOUT_S = 600  # a setup cell of the reference (loading a model, say)
@@ -353,7 +353,9 @@ def _run_group(
             # the grading process never holds a student's code: each student's process reads
             # its own cells from this file, which no other student's process can read
             cells_path = root / f"cells-{i}.json"
-            cells_path.write_text(json.dumps([dataclasses.asdict(c) for c in sub.code.cells]))
+            fd = os.open(cells_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps([dataclasses.asdict(c) for c in sub.code.cells]))
             payload.append(
                 {
                     "files": str(files),
@@ -521,6 +523,55 @@ def _bound_by_setup(exercises: ExerciseSet) -> set[str]:
     return names
 
 
+def _setup_names(exercises: ExerciseSet) -> set[str]:
+    """Every name the reference's setup binds at its top level."""
+    names: set[str] = set()
+    for step in exercises.steps:
+        if step.kind != "setup":
+            continue
+        try:
+            tree = ast.parse(step.source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            for sub in ast.walk(node) if isinstance(node, ast.Assign | ast.AnnAssign) else ():
+                if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                    names.add(sub.id)
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names.add(node.name)
+    return names
+
+
+def _patched_setup_objects(source: str, setup: set[str]) -> list[str]:
+    """`llm.generate = ...` and the like: attributes of the setup's objects an answer sets."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    found: list[str] = []
+    # a function's own parameter named like a setup object is the caller's argument
+    setup = setup - {node.arg for node in ast.walk(tree) if isinstance(node, ast.arg)}
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for target in targets:
+            for sub in ast.walk(target):
+                root = sub
+                while isinstance(root, ast.Attribute | ast.Subscript):
+                    root = root.value
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and isinstance(root, ast.Name)
+                    and root.id in setup
+                    and _dotted(sub) not in found
+                ):
+                    found.append(_dotted(sub))
+    return found
+
+
 def _dotted(node: ast.expr) -> str:
     try:
         return ast.unparse(node)
@@ -574,11 +625,17 @@ def code_flags(code: StudentCode, exercises: ExerciseSet) -> dict[int, list[str]
     functions = set(exercises.functions())
     oracles = _bound_by_setup(exercises) - functions
     checks = {s.exercise: s.source for s in exercises.steps if s.kind == "check"}
+    setup = _setup_names(exercises)
     for k, _ in enumerate(exercises.exercises):
         found: list[str] = []
         for cell in code.cells:
             if cell.exercise <= k:
                 found.extend(f for f in _suspicious(cell.source) if f not in found)
+                found.extend(
+                    f"changes the notebook's objects ({target} = ...)"
+                    for target in _patched_setup_objects(cell.source, setup)
+                    if f"changes the notebook's objects ({target} = ...)" not in found
+                )
         if found:
             flags.setdefault(k, []).append("suspicious code: " + ", ".join(found))
         check_uses = _called_names(checks.get(k, ""))
@@ -1120,6 +1177,9 @@ def _run(args: argparse.Namespace) -> int:
     )
     for problem in grading_problems:
         print(f"minillm grade: {problem}", file=sys.stderr)
+    limit_warning = process_limit_warning()
+    if args.reference is not None and grades and limit_warning:
+        print(f"minillm grade: warning: {limit_warning}", file=sys.stderr)
     if args.reference is not None and grades and not landlock_abi():
         print(
             "minillm grade: warning: this system has no Linux Landlock, so a submission's code "

@@ -24,6 +24,7 @@ process has imported them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -39,6 +40,17 @@ MAX_DEPTH = 40
 # built-in base class
 EXCEPTION_MODULES = ("builtins", "minillm", "kernels", "torch", "numpy", "triton")
 _FAILED = object()
+
+
+class ByReference:
+    """A value to send as a reference even when it could cross by value or by name: a
+    module or an installed function the check lends the student's code, so that its calls
+    run in the check's process (see `sandbox.lend`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
 
 
 class PeerGone(Exception):
@@ -146,6 +158,8 @@ class Connection:
             return {"v": value} if kind is float and value != value else value  # NaN
         if isinstance(value, Remote) and object.__getattribute__(value, "_conn") is self:
             return {"h": object.__getattribute__(value, "_id")}
+        if kind is ByReference and self.trusted:
+            return self._reference(value.value)
         echo = self.echoes.get(id(value))
         if echo is not None and echo[0] is value:
             return {"h": echo[1]}
@@ -420,9 +434,16 @@ class Connection:
         storages: dict = {}
         encoded_args = [self.encode(a, blobs, storages) for a in args]
         encoded_kwargs = {str(k): self.encode(v, blobs, storages) for k, v in kwargs.items()}
-        self._send(
-            {"op": op, "target": target, "args": encoded_args, "kwargs": encoded_kwargs}, blobs
-        )
+        header = {"op": op, "target": target, "args": encoded_args, "kwargs": encoded_kwargs}
+        torch = sys.modules.get("torch")
+        if op == "call" and not self.trusted and torch is not None:
+            # the caller's autograd mode: a model the check owns runs as the student's
+            # `with torch.inference_mode():` asked
+            header["modes"] = [
+                bool(torch.is_grad_enabled()),
+                bool(torch.is_inference_mode_enabled()),
+            ]
+        self._send(header, blobs)
         while True:
             header, blobs = self._recv()
             if "op" in header:
@@ -454,7 +475,8 @@ class Connection:
             target = self.exported[int(header["target"])] if header["target"] is not None else None
             args = [self.decode(a, blobs, storages) for a in header["args"]]
             kwargs = {k: self.decode(v, blobs, storages) for k, v in header["kwargs"].items()}
-            value = _OPS[header["op"]](target, *args, **kwargs)
+            with _modes(header.get("modes") if self.trusted else None):
+                value = _OPS[header["op"]](target, *args, **kwargs)
             if header["op"] == "call":
                 reply["after"] = self._after(args, kwargs, header, blobs, out, out_storages)
             if self.trusted and header["op"] == "getattr" and _holds_objects(value):
@@ -699,6 +721,17 @@ _OPS = {
     "hash": lambda t: hash(t),
     "names": lambda t: None,
 }
+
+
+def _modes(modes):
+    """The autograd mode a call asked for (grad enabled, inference mode), if it said."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(modes) is not list or len(modes) != 2:
+        return contextlib.nullcontext()
+    grad, inference = (m is True for m in modes)
+    if inference:
+        return torch.inference_mode(True)
+    return torch.set_grad_enabled(grad)
 
 
 def _req(self: Remote, op: str, *args, **kwargs):

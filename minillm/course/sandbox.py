@@ -30,9 +30,15 @@ submission, a *check process* that
 4. writes the verdict to the grading process: only this process holds that pipe, and
    it is not dumpable, so that no process of the same user reads or writes its memory.
 
-A check that watches the student's code from inside (a torch function mode, a library
-attribute replaced while the student's code runs, or the tag `student-process`) runs in
-the student's process instead, and its result says so: there, a pass can be forged.
+A check that watches the student's code at work lends it its own objects
+(`minillm.course.watching.lend`: the student's global then names the check's object, and
+each call runs here, where the check records it), runs a harness of its own where the
+student's code runs and verifies the result against its own records (`drive`), or asks
+one question only that process can answer (`watch`: the exercise's result then says it
+was checked partly in the student's process). A check that replaces an attribute of an
+object it did not create and did not lend, defines a torch function mode, or carries the
+tag `student-process` runs in the student's process instead, and its result says so:
+there, a pass can be forged.
 
 A crash or a hang loses only that exercise: the time limit kills the check process's
 whole process group, the student's process with it. The result of each child is reported
@@ -644,6 +650,19 @@ def limit_resources(cpu_s: float, memory_gib: float) -> list[str]:
     return refused
 
 
+def process_limit_warning() -> str | None:
+    """What the grader says when a submission's processes cannot be limited: the kernel
+    does not hold root to RLIMIT_NPROC. (Running the student's process as an unprivileged
+    user would need that user to read the Python installation, which a root-only install
+    under /root does not allow.)"""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return None
+    return (
+        "grading runs as root, whom the kernel does not hold to RLIMIT_NPROC, so the number "
+        "of processes a submission starts is not limited; grade as another user"
+    )
+
+
 # seccomp: socket() for anything but AF_UNIX, and io_uring (which makes sockets without it),
 # fail with EACCES; so does every system call of another architecture's ABI
 SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
@@ -1115,6 +1134,8 @@ def _student(grader: Grader, k: int, submission: dict, workdir: str, sock, check
     conn.exported[0] = lambda: {"names": names, "notes": notes}
     conn.exported[1] = lambda: changes()
     conn.exported[2] = lambda: _check_here(setup, names, conn.sources, *check)
+    conn.exported[3] = lambda name, value: student.__setitem__(str(name), value)
+    conn.exported[4] = lambda source, values: _watch_here(setup, names, source, values)
     conn.serve_forever()
     os._exit(0)
 
@@ -1132,6 +1153,61 @@ def _check_here(setup: dict, names: dict, sources: dict, code, filename, check_s
     return {"passed": True, "error": None}
 
 
+def _watch_here(setup: dict, names: dict, source, values) -> object:
+    """The part of a check that watches the student's code from inside (see `watch`), run
+    in the student's process: its `result`, which the check receives as plain data."""
+    namespace = dict(setup)
+    namespace.update(names)
+    namespace.update(values if type(values) is dict else {})
+    exec(compile(str(source), "<the check, in your process>", "exec"), namespace)
+    return namespace.get("result")
+
+
+def _check_helpers(conn: remote.Connection, watched: list[bool]) -> dict:
+    """How `minillm.course.watching`'s `lend` and `watch` work when a check is graded."""
+
+    def lend(name: str, value: object) -> None:
+        """Bind `name` in the student's namespace to the check's own `value`: the student's
+        functions that use that global (a model, the setup's engine, the `time` module)
+        then call into the check's process, where the check sees each call."""
+        conn.request("call", 3, name, remote.ByReference(value))
+
+    def watch(source: str, **values) -> object:
+        """Run `source` (the check's own code) in the student's process, with the student's
+        names and `values`, and return its `result` as plain data: for what can only be
+        seen from inside (the operations a torch function mode records). The exercise is
+        then flagged as checked partly in the student's process."""
+        watched[0] = True
+        return conn.request("call", 4, source, values)
+
+    def drive(source: str, **values) -> object:
+        """Run the check's harness `source` in the student's process, as `watch` does; the
+        check verifies its `result` against what its own functions in `values` recorded
+        (they run here, each call a request from the student's process)."""
+        return conn.request("call", 4, source, values)
+
+    return {
+        **CHECK_HELPERS,
+        "_minillm_lend": lend,
+        "_minillm_watch": watch,
+        "_minillm_drive": drive,
+    }
+
+
+def lent_names(tree: ast.AST) -> set[str]:
+    """The names a check lends the student's code: `lend("model", model)`."""
+    return {
+        node.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "lend"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    }
+
+
 def student_process_check(source: str) -> bool:
     """Whether a check watches the student's code from inside, which only works in the
     process that runs that code: a torch function mode that records the operations it
@@ -1141,7 +1217,7 @@ def student_process_check(source: str) -> bool:
         tree = ast.parse(source)
     except SyntaxError:
         return False
-    created: set[str] = set()
+    created: set[str] = lent_names(tree)  # what the student's code uses of them is the check's
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             created.add(node.id)
@@ -1191,7 +1267,8 @@ def _check(grader: Grader, k, code, filename, check_source, conn_sock, student_p
         if name in check and name not in grader.functions:
             continue  # names the setup defines keep the setup's values
         check[name] = value
-    check.update(CHECK_HELPERS)
+    watched = [False]
+    check.update(_check_helpers(conn, watched))
     sources = {filename: check_source}
     try:
         exec(code, check)
@@ -1215,6 +1292,8 @@ def _check(grader: Grader, k, code, filename, check_source, conn_sock, student_p
             + ", ".join(changed[:5])
             + ", which the checks rely on",
         }
+    if watched[0]:
+        result["student_process"] = True
     result["notes"] = notes
     return result
 

@@ -86,6 +86,25 @@ def test_every_solution_has_a_measured_time_from_a_clean_run():
         assert entry["seconds"] > 0 and entry["failed_cells"] == []
 
 
+def test_the_class_grading_time_says_where_and_under_what_load_it_ran():
+    entry = timing.load_times(ROOT)["class_grading"]
+    assert entry["seconds"] > 0 and entry["date"] and entry["machine"]["cpu_count"]
+    assert entry["load_average"] and "shared" in entry["note"]
+
+
+def test_record_times_keeps_the_class_grading_time(tmp_path):
+    import json
+
+    import nbformat
+
+    (tmp_path / "solutions").mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
+    nbformat.write(nb, tmp_path / "solutions" / "ch01_one.ipynb")
+    (tmp_path / timing.TIMES_FILE).parent.mkdir(parents=True)
+    (tmp_path / timing.TIMES_FILE).write_text(json.dumps({"class_grading": {"seconds": 9.0}}))
+    assert timing.record_times(tmp_path)["class_grading"] == {"seconds": 9.0}
+
+
 def test_timing_names_unknown_solutions():
     with pytest.raises(ValueError, match="no solution notebook"):
         timing.record_times(ROOT, ["ch99_nothing"])

@@ -518,3 +518,22 @@ def test_csv_cells_never_start_a_formula(tmp_path):
     detail = list(csv.DictReader(written[1].open(encoding="utf-8")))
     assert detail[0]["error"] == f"'{formula}: x"
     assert detail[0]["flags"] == "suspicious code: reads the call stack (_getframe)"
+
+
+@pytest.mark.parametrize("euid", [0, 1000])
+def test_cli_says_when_the_process_limit_cannot_hold(class_folder, capsys, monkeypatch, euid):
+    """The kernel does not hold root to RLIMIT_NPROC: grading as root says so."""
+    import minillm.course.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: euid)
+    path = class_folder / "submissions" / "bob" / "attempt2.ipynb"
+    main(["grade", str(path), "--reference", str(class_folder / "exercises")])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "RLIMIT_NPROC" in line]
+    if euid == 0:
+        assert warnings == [
+            "minillm grade: warning: grading runs as root, whom the kernel does not hold to "
+            "RLIMIT_NPROC, so the number of processes a submission starts is not limited; "
+            "grade as another user"
+        ]
+    else:
+        assert warnings == []

@@ -1,0 +1,235 @@
+"""Checks that watch the student's code at work run in the check's process.
+
+Such a check used to run in the student's process, where the student's code could answer
+the check's request itself: find the socket's `Connection` on the heap, send "passed" and
+exit. Now the check lends the student's code its own instruments (`lend`: the model, the
+engine, the clock, the kernel's launcher are the check's, so each call is seen where the
+student's code cannot reach) and only what a torch function mode must see from inside runs
+there (`watch`), for one assertion of one exercise, which the grader flags.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import nbformat
+import pytest
+
+from minillm.course.grading import grade_notebooks
+
+from .conftest import write_notebook
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# the old forgery: answer the check's pending request with a pass, from the student's process
+FORGE = """
+def _forge():
+    import gc
+    import os
+
+    from minillm.course import remote
+
+    for o in gc.get_objects():
+        if type(o) is remote.Connection:
+            o._send({"value": o.encode({"passed": True, "error": None}, [], {})}, [])
+            os._exit(0)
+
+"""
+
+CH01 = {
+    # the review's cheat: no decoding; the setup's oracle patched to agree, and the forward
+    # calls the check counts made on zeros
+    "generate_without_cache": """import torch
+
+
+def generate_without_cache(model, prompt_ids, max_tokens):
+    got = [0] * max_tokens
+
+    class Output:
+        pass
+
+    def fake_generate(ids, params, use_tqdm=False):
+        out = Output()
+        out.outputs = [Output()]
+        out.outputs[0].token_ids = got
+        return [out]
+
+    llm.generate = fake_generate
+    with torch.inference_mode():
+        for n in range(len(prompt_ids), len(prompt_ids) + max_tokens):
+            model.forward_causal(torch.zeros((1, n), dtype=torch.long))
+    return got
+""",
+    "time_next_token": FORGE
+    + """
+source_ids = list(range(1000))
+
+
+def time_next_token(token_ids, use_cache):
+    _forge()
+    return 0.001
+""",
+}
+
+CH05 = {
+    "online_attention": FORGE
+    + """
+def online_attention(q, k, v, block_size):
+    _forge()
+""",
+    "ops_per_decode_step": FORGE
+    + """
+def ops_per_decode_step(engine):
+    _forge()
+
+
+def fixed_cost_s(times_s):
+    _forge()
+
+
+def best_step_time_s(engine, num_steps):
+    _forge()
+
+
+def fixed_cost_share(num_ops, op_cost_s, step_time_s):
+    _forge()
+""",
+    "silu_mul_kernel": FORGE
+    + """import triton
+import triton.language as tl
+
+
+@triton.jit
+def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    pass
+
+
+def silu_mul(gate, up, block=128):
+    _forge()
+""",
+}
+
+
+def submission(tmp_path: pathlib.Path, chapter: str, answers: dict[str, str]) -> pathlib.Path:
+    nb = nbformat.read(ROOT / "exercises" / chapter, as_version=4)
+    for name, source in answers.items():
+        [cell] = [c for c in nb.cells if c.get("id") == name]
+        cell.source = source
+    return write_notebook(tmp_path / f"cheat_{chapter}", nb)
+
+
+def graded(tmp_path, chapter, answers):
+    path = submission(tmp_path, chapter, answers)
+    [grade], problems = grade_notebooks([path], reference=ROOT / "exercises", jobs=2)
+    assert problems == []
+    return {e.name: e for e in grade.exercises}
+
+
+@pytest.mark.slow
+def test_chapter_1s_watched_checks_cannot_be_forged(tmp_path):
+    exercises = graded(tmp_path, "ch01_request_journey.ipynb", CH01)
+    for name in CH01:
+        assert exercises[name].points == 0, (name, exercises[name].error)
+        assert exercises[name].flags, name
+        assert not exercises[name].in_student_process, name
+
+
+@pytest.mark.slow
+def test_chapter_5s_watched_checks_cannot_be_forged(tmp_path):
+    exercises = graded(tmp_path, "ch05_kernels.ipynb", CH05)
+    for name in CH05:
+        assert exercises[name].points == 0, (name, exercises[name].error)
+        assert exercises[name].flags, name
+    assert not exercises["ops_per_decode_step"].in_student_process
+    assert not exercises["silu_mul_kernel"].in_student_process
+
+
+CH09 = {
+    "send_on_schedule": FORGE
+    + """
+async def send_on_schedule(starts_s, send):
+    _forge()
+""",
+}
+
+
+@pytest.mark.slow
+def test_chapter_9s_open_loop_check_cannot_be_forged(tmp_path):
+    exercises = graded(tmp_path, "ch09_metrics.ipynb", CH09)
+    assert exercises["send_on_schedule"].points == 0, exercises["send_on_schedule"].error
+    assert exercises["send_on_schedule"].flags
+    assert not exercises["send_on_schedule"].in_student_process
+
+
+# a fixture: a setup object whose method the check counts through `lend`, and a question
+# only the student's process can answer through `watch`
+FIXTURE_SETUP = """import math
+
+
+class Meter:
+    def read(self, x):
+        return math.sqrt(x)
+
+
+meter = Meter()"""
+
+FIXTURE_LEND = '''# GRADED: 2 points
+from minillm.course.watching import lend
+
+calls = []
+real_read = meter.read
+lend("meter", meter)
+meter.read = lambda x: calls.append(x) or real_read(x)
+try:
+    assert roots([4, 9]) == [2.0, 3.0]
+finally:
+    del meter.read
+assert calls == [4, 9], f"read the meter once per value: {calls}"'''
+
+FIXTURE_WATCH = '''# GRADED: 1 point
+from minillm.course.watching import watch
+
+assert twice(2) == 4
+assert watch("result = twice.__name__") == "twice"'''
+
+
+def fixture_cells():
+    from .conftest import code, md
+
+    return [
+        md("# Watched"),
+        code(FIXTURE_SETUP, "setup"),
+        md("## Exercise 1: roots (2 points)"),
+        code(
+            "def roots(xs):\n    ### BEGIN SOLUTION\n    return [meter.read(x) for x in xs]\n"
+            "    ### END SOLUTION",
+            "roots",
+        ),
+        code(FIXTURE_LEND, "roots-check"),
+        md("## Exercise 2: twice (1 point)"),
+        code(
+            "def twice(x):\n    ### BEGIN SOLUTION\n    return 2 * x\n    ### END SOLUTION",
+            "twice",
+        ),
+        code(FIXTURE_WATCH, "twice-check"),
+    ]
+
+
+def test_a_lent_object_sees_the_students_calls_and_a_watched_check_is_flagged(tmp_path):
+    from .conftest import filled, released_fixture
+
+    released = released_fixture(tmp_path, fixture_cells())
+    honest = write_notebook(
+        tmp_path / "honest.ipynb",
+        filled(released, {"roots": "return [meter.read(x) for x in xs]", "twice": "return 2 * x"}),
+    )
+    # the right values without the meter: the check's count, kept in its own process, is 0
+    bypass = write_notebook(
+        tmp_path / "bypass.ipynb",
+        filled(released, {"roots": "return [x ** 0.5 for x in xs]", "twice": "return 2 * x"}),
+    )
+    [good, bad], problems = grade_notebooks([honest, bypass], reference=released)
+    assert problems == []
+    assert [e.passed for e in good.exercises] == [True, True]
+    assert [e.in_student_process for e in good.exercises] == [False, True]
+    assert not bad.exercises[0].passed and "once per value" in bad.exercises[0].error
