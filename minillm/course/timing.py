@@ -7,7 +7,8 @@ The instructor's guide (`book/instructors.md`) reads its table from here:
 - the authors' estimates of reading-and-running and exercise time, from the chapter's
   "**Time.**" line;
 - the checks' machine time from a measured run of the chapter's solution notebook,
-  recorded in `book/data/solution_times.json` with the machine and date it ran on;
+  recorded in `book/data/solution_times.json` with the machine, the date and the load
+  average it ran under;
 - points from the solution's `# GRADED: N points` markers;
 - learning goals and prerequisites from the chapter's opening paragraphs.
 
@@ -152,14 +153,22 @@ def machine() -> dict:
 
 
 def time_solution(path: pathlib.Path, timeout_s: int = 900) -> dict:
-    """Run one solution notebook in a fresh kernel; its wall time and failed cells."""
+    """Run one solution notebook in a fresh kernel; its wall time, failed cells, and the
+    machine's 1-minute load average as the run started (a shared machine runs slower
+    under load, so a time is read beside it)."""
     nb = read_notebook(path)
+    load = os.getloadavg()[0]
     start = time.perf_counter()
     errors = execute_notebook(nb, path.resolve().parent, timeout_s)
     seconds = time.perf_counter() - start
     failed = sorted(i for i, e in errors.items() if e is not None)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return {"seconds": round(seconds, 1), "failed_cells": failed, "date": date}
+    return {
+        "seconds": round(seconds, 1),
+        "failed_cells": failed,
+        "date": date,
+        "load_1m": round(load, 2),
+    }
 
 
 def load_times(root: pathlib.Path) -> dict:

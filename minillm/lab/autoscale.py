@@ -49,6 +49,22 @@ class ReplicaSignals:
     queue: float
 
 
+def serve_tick(
+    t: float, running: deque[float], waiting: deque[float], seats: int, service_s: float
+) -> list[float]:
+    """One tick of `seats` seats, first come first served: the requests whose service has
+    ended by `t` leave (`running`: finish times, in order), then waiting requests
+    (`waiting`: arrival times) take the free seats for `service_s` each. Returns the
+    arrival times of the requests seated."""
+    while running and running[0] <= t + 1e-9:  # a tick's float sum may land just short
+        running.popleft()
+    seated = []
+    while waiting and len(running) < seats:
+        seated.append(waiting.popleft())
+        running.append(t + service_s)
+    return seated
+
+
 def simulate_replica(
     rate_per_s: float,
     service_s: float,
@@ -64,19 +80,18 @@ def simulate_replica(
     if not isinstance(max_running, int) or max_running < 1:
         raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
     rng = np.random.default_rng(seed)
-    running: list[float] = []  # remaining service time of each running request
-    waiting = busy = 0
+    running: deque[float] = deque()  # when each running request finishes
+    waiting: deque[float] = deque()  # when each waiting request arrived
+    busy = 0
     kv = queue = 0.0
     steps = int(seconds / dt)
-    for _ in range(steps):
-        waiting += int(rng.poisson(rate_per_s * dt))
-        running = [r - dt for r in running if r - dt > 1e-12]
-        while waiting and len(running) < max_running:
-            running.append(service_s)
-            waiting -= 1
+    for i in range(steps):
+        t = i * dt
+        waiting.extend([t] * int(rng.poisson(rate_per_s * dt)))
+        serve_tick(t, running, waiting, max_running, service_s)
         busy += bool(running)
         kv += len(running) / max_running
-        queue += waiting
+        queue += len(waiting)
     return ReplicaSignals(busy / steps, kv / steps, queue / steps)
 
 
@@ -151,34 +166,22 @@ def simulate_scaler(
         t = i * dt
         rate = rate_at(t)
         waiting.extend([t] * int(rng.poisson(rate * dt)))
-        while running and running[0] <= t:
-            running.popleft()
         while starting and starting[0] <= t:
             starting.popleft()
             ready += 1
-        while waiting and len(running) < ready * seats:  # a removed replica drains
-            arrived.append(waiting.popleft())
-            waits.append(t - arrived[-1])
-            running.append(t + service_s)
+        # a removed replica drains: its requests keep their seats until they finish
+        for arrival in serve_tick(t, running, waiting, ready * seats, service_s):
+            arrived.append(arrival)
+            waits.append(t - arrival)
         if i % sync_every == 0:
             while desired_history and desired_history[0][0] < t - scale_down_window_s:
                 desired_history.popleft()
+            demand = len(running) + len(waiting)
+            window = [d for _, d in desired_history]
             fleet = fleet_after_sync(
-                ready + len(starting),
-                len(running) + len(waiting),
-                seats,
-                target_usage,
-                [d for _, d in desired_history],
-                max_replicas,
+                ready + len(starting), demand, seats, target_usage, window, max_replicas
             )
-            desired_history.append(
-                (
-                    t,
-                    desired_replicas(
-                        len(running) + len(waiting), seats, target_usage, max_replicas
-                    ),
-                )
-            )
+            desired_history.append((t, desired_replicas(demand, seats, target_usage, max_replicas)))
             while ready + len(starting) < fleet:
                 starting.append(t + cold_start_s)
             while ready + len(starting) > fleet:  # cancel a start before stopping one

@@ -145,14 +145,9 @@ class RequestTrace:
         return self.client_done - self.client_send
 
 
-def stream_completion(
-    client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int
-) -> tuple:
-    """POST a streamed, greedy completion; returns (send time, chunk times, done time, text).
-
-    `client` is made once and kept: making an httpx client loads the TLS certificates,
-    which takes longer than the whole local request."""
-    body = {
+def completion_body(model: str, prompt: str, max_tokens: int) -> dict:
+    """The JSON of a streamed, greedy completion of exactly `max_tokens` tokens."""
+    return {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -160,6 +155,16 @@ def stream_completion(
         "ignore_eos": True,
         "stream": True,
     }
+
+
+def stream_completion(
+    client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int
+) -> tuple:
+    """POST a streamed, greedy completion; returns (send time, chunk times, done time, text).
+
+    `client` is made once and kept: making an httpx client loads the TLS certificates,
+    which takes longer than the whole local request."""
+    body = completion_body(model, prompt, max_tokens)
     chunks: list[float] = []
     text: list[str] = []
     send = time.perf_counter()

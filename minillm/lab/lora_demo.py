@@ -8,13 +8,17 @@ change greedy tokens, so the page can show what matters without a download:
 - `write_random_adapters`: adapters in PEFT's layout on disk, with their `LoRARequest`s;
 - `mixed_batch_run`: one engine with `enable_lora=True` serving a batch that mixes the
   adapters and the base model, and each adapter's requests alone, so the page can compare
-  the tokens and the engine steps of the two.
+  the tokens and the engine steps of the two;
+- `time_adapter_steps`: what a decode step costs with k distinct adapters in its batch,
+  timed on the engine's own path, configurations interleaved and repeated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import statistics
+import time
 from collections.abc import Sequence
 
 import torch
@@ -129,3 +133,105 @@ def mixed_batch_run(
             alone[i] = t
     base, _ = _run(llm, prompts, params, [None] * len(prompts))
     return MixedBatchRun(list(adapters), mixed, alone, base, mixed_steps, alone_steps)
+
+
+@dataclasses.dataclass
+class AdapterStepTimes:
+    """Decode steps of one batch whose rows spread over k distinct adapters, per k.
+
+    `round_ms[k][i]` is the median step of round i (the configurations take turns within
+    a round, in alternating order); `seen[k]` the distinct adapters `LoRAManager` grouped
+    the rows into in every timed step of that configuration."""
+
+    batch_size: int
+    decode_steps: int
+    round_ms: dict[int, list[float]]
+    seen: dict[int, set[int]]
+
+    def median_ms(self, k: int) -> float:
+        return statistics.median(self.round_ms[k])
+
+    def spread(self, k: int) -> float:
+        """Interquartile range of the rounds' medians over their median."""
+        q1, _, q3 = statistics.quantiles(self.round_ms[k], n=4, method="inclusive")
+        return (q3 - q1) / self.median_ms(k)
+
+    def slower_rounds(self, k: int, than: int) -> int:
+        """Rounds in which the step with k adapters was slower than with `than`."""
+        pairs = zip(self.round_ms[k], self.round_ms[than], strict=True)
+        return sum(a > b for a, b in pairs)
+
+
+def _decode_step_ms(
+    llm: LLM, prompts, params, loras, steps: int, groups: list[int], seen: set[int]
+) -> float:
+    """Add the batch, run its prefill, then time `steps` decode steps of the engine; the
+    median step in ms. `groups` grows by the adapters of each forward; those of the timed
+    steps go into `seen`. The batch is finished before returning."""
+    engine = llm.engine
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        engine.add_request(f"t{time.perf_counter_ns()}-{i}", prompt, params, lora_request=lora)
+    while engine.scheduler.waiting:  # the prefills (one step for a short batch)
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+        seen.add(groups[-1])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return statistics.median(times)
+
+
+def time_adapter_steps(
+    requests: dict[str, LoRARequest],
+    distinct: Sequence[int] = (0, 1, 2, 4, 8),
+    batch_size: int = 8,
+    decode_steps: int = 6,
+    rounds: int = 5,
+    max_lora_rank: int = 8,
+    model: str = BUNDLED,
+) -> AdapterStepTimes:
+    """Time the engine's decode step on one batch of `batch_size` requests whose rows
+    spread, round robin, over k of the adapters in `requests` (k = 0: the base model), for
+    each k in `distinct`. One engine serves every configuration; each round times them all,
+    in alternating order (ABBA), so a slow spell of a shared machine falls on all alike."""
+    names = list(requests)
+    if not distinct or max(distinct) > len(names) or min(distinct) < 0:
+        raise ValueError(f"distinct adapter counts {list(distinct)} must be in 0..{len(names)}")
+    if max(distinct) > batch_size:
+        raise ValueError(f"{max(distinct)} adapters do not fit a batch of {batch_size} rows")
+    if rounds < 2 or decode_steps < 1:
+        raise ValueError(f"need rounds >= 2 and decode_steps >= 1, got {rounds}, {decode_steps}")
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        enable_lora=True,
+        max_loras=max(1, max(distinct)),
+        max_lora_rank=max_lora_rank,
+        max_model_len=128,
+        max_num_seqs=batch_size,
+    )
+    # count the adapters of every forward as the engine groups them (LoRAManager.groups)
+    manager = llm.engine.lora_manager
+    groups: list[int] = []
+    set_active = manager.set_active
+
+    def recording(token_lora_ids: list[int], device) -> None:
+        set_active(token_lora_ids, device)
+        groups.append(len(manager.groups))
+
+    manager.set_active = recording
+    # every request in flight for the whole timing: prefill, the timed steps, and one more
+    params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 2, ignore_eos=True)
+    prompts = [f"def f{i}(x):" for i in range(batch_size)]
+    round_ms: dict[int, list[float]] = {k: [] for k in distinct}
+    seen: dict[int, set[int]] = {k: set() for k in distinct}
+    for r in range(rounds + 1):  # round 0 warms up the engine and the adapters
+        for k in distinct if r % 2 else reversed(distinct):
+            loras = [requests[names[i % k]] if k else None for i in range(batch_size)]
+            ms = _decode_step_ms(llm, prompts, params, loras, decode_steps, groups, seen[k])
+            if r:
+                round_ms[k].append(ms)
+    return AdapterStepTimes(batch_size, decode_steps, round_ms, seen)

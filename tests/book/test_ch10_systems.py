@@ -16,6 +16,7 @@ from minillm.serve.router import stable_hash
 
 from .conftest import ROOT
 from .exercise_checks import ExerciseChecks, FromNamespace
+from .variant_checks import PrivateVariantChecks
 
 # -- exercise 1: least outstanding ---------------------------------------------------------
 
@@ -303,6 +304,50 @@ def scaler(
     return fleet_after_sync
 
 
+# -- exercise 14: overlap scheduling's two threads ---------------------------------------------
+
+
+def overlap(kind="right", mutate=False, as_tuple=False):
+    def overlapped_done(plan_s, forward_s, process_s):
+        n = len(forward_s)
+        if kind == "serial":  # no overlap: each step plans, runs and processes in turn
+            t, done = 0.0, []
+            for k in range(n):
+                t += plan_s[k] + forward_s[k] + process_s[k]
+                done.append(t)
+            return done
+        if kind == "max per step":  # the page's max(t_cpu, t_gpu) summed, no pipeline
+            t, done = 0.0, []
+            for k in range(n):
+                t += max(plan_s[k] + process_s[k], forward_s[k])
+                done.append(t)
+            return done
+        cpu = plan_s[0] if n else 0.0
+        fwd_end = [0.0] * n
+        if n:
+            fwd_end[0] = cpu + forward_s[0]
+        done = []
+        for k in range(n):
+            if k + 1 < n:
+                cpu += plan_s[k + 1]
+                if kind == "forwards in parallel":  # forward k + 1 does not wait for forward k
+                    fwd_end[k + 1] = cpu + forward_s[k + 1]
+                elif kind == "forward ignores its plan":  # starts before plan k + 1 is handed
+                    fwd_end[k + 1] = fwd_end[k] + forward_s[k + 1]
+                else:
+                    fwd_end[k + 1] = max(fwd_end[k], cpu) + forward_s[k + 1]
+            if kind == "processing does not wait":  # processes before forward k is done
+                cpu += process_s[k]
+            else:
+                cpu = max(cpu, fwd_end[k]) + process_s[k]
+            done.append(fwd_end[k] if kind == "forward ends" else cpu)
+        if mutate:
+            plan_s.reverse()
+        return tuple(done) if as_tuple else done
+
+    return overlapped_done
+
+
 WRONG_ANSWERS = {
     "pick_least_outstanding": {
         "most outstanding": least(key=max),
@@ -417,11 +462,24 @@ WRONG_ANSWERS = {
         "appends to `recent_desired`": scaler(mutate=True),
         "demand times the target": scaler(times_target=True),
     },
+    "overlapped_done": {
+        "no overlap": overlap(kind="serial"),
+        "max(cpu, gpu) per step": overlap(kind="max per step"),
+        "forwards in parallel": overlap(kind="forwards in parallel"),
+        "a forward ignores its plan": overlap(kind="forward ignores its plan"),
+        "processing does not wait for the forward": overlap(kind="processing does not wait"),
+        "the forwards' ends": overlap(kind="forward ends"),
+        "a tuple": overlap(as_tuple=True),
+        "reverses `plan_s`": overlap(mutate=True),
+        "hard-coded": lambda plan, forward, process: [13.0, 23.0, 33.0][: len(forward)],
+    },
 }
 
 
-class TestChecks(ExerciseChecks):
+class TestChecks(PrivateVariantChecks, ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch10_systems.ipynb"
     EXERCISE = ROOT / "exercises" / "ch10_systems.ipynb"
-    POINTS = [2, 3, 2, 3, 2, 2, 2, 3, 3, 3, 3, 3, 3]
+    POINTS = [2, 3, 2, 3, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3]
     WRONG_ANSWERS = WRONG_ANSWERS
+    # every function of data (Bucket is a class, fleet_waste reads the plan object)
+    COPIED = [n for n in WRONG_ANSWERS if n not in ("Bucket", "fleet_waste")]

@@ -131,6 +131,9 @@ def test_record_times_runs_each_solution_and_notes_failed_cells(tmp_path):
     assert data["notebooks"]["ch01_good"]["seconds"] >= 0.3
     assert data["notebooks"]["ch01_good"]["failed_cells"] == []
     assert data["notebooks"]["ch02_bad"]["failed_cells"] == [1]
+    # each run records the load it ran under: a number, as the OS reports it
+    load = data["notebooks"]["ch01_good"]["load_1m"]
+    assert isinstance(load, float) and load >= 0
     assert timing.load_times(tmp_path) == data
     # timing one keeps the others' entries
     again = timing.record_times(tmp_path, ["ch01_good"])

@@ -36,6 +36,25 @@ def test_the_chapter_exercises_are_worth_the_points_the_checks_grade():
 
     points = ch10_setup.exercise_points(TestChecks.EXERCISE)
     assert points == TestChecks.POINTS
+    assert len(points) == 14 and sum(points) == 37
+
+
+def test_formula_points_are_at_most_a_third_of_the_chapters():
+    from tests.book.test_ch10_systems import TestChecks
+
+    assert ch10_setup.formula_points([1, 2, 3, 4, 5, 6, 7, 8]) == 5 + 6 + 7
+    points = TestChecks.POINTS
+    assert ch10_setup.formula_points(points) == 6
+    assert 3 * ch10_setup.formula_points(points) <= sum(points)
+
+
+def test_the_page_lists_the_exercises_and_names_the_formula_ones():
+    page = (ch10_setup.RESULTS.parents[1] / "book" / "10_systems_operations.md").read_text()
+    exercises = " ".join(
+        page[page.index("## Exercises") : page.index("(ch10-references)=")].split()
+    )
+    assert "formula_points" in exercises and "overlap scheduling" in exercises
+    assert "five:" not in exercises and "six:" in exercises
 
 
 def test_results_is_the_folder_of_the_recorded_runs_the_first_page_reads():

@@ -2,6 +2,7 @@
 router's real choices, the token bucket's real answers and a cold start's phases."""
 
 import math
+import pathlib
 
 import pytest
 
@@ -120,3 +121,32 @@ def test_engine_processes_are_drawn_in_order():
     assert labels[3].startswith("HTTP server") and labels[-1] == "DetokenizerManager process"
     small = s.draw_engine_processes({"one": [("a", "request"), ("b", "host")]})
     assert small.labels() == ["a", "b"]
+
+
+def test_service_layer_places_each_system_against_minillms_parts():
+    root = pathlib.Path(s.__file__).resolve().parents[3]
+    assert list(s.SERVICE_PARTS) == ["router", "autoscaler", "engine", "KV cache", "metrics"]
+    assert all((root / path).is_file() for path in s.SERVICE_PARTS.values())
+    assert list(s.SERVICE_SYSTEMS) == ["llm-d", "NVIDIA Dynamo", "KServe", "KEDA"]
+    # the placements the chapter's prose states
+    assert "prefix" in s.SERVICE_SYSTEMS["llm-d"]["router"]
+    assert "KV events" in s.SERVICE_SYSTEMS["NVIDIA Dynamo"]["router"]
+    assert "Planner" in s.SERVICE_SYSTEMS["NVIDIA Dynamo"]["autoscaler"]
+    assert sorted(s.SERVICE_SYSTEMS["KEDA"]) == ["autoscaler", "metrics"]  # no router, no engine
+    assert "engine" in s.SERVICE_SYSTEMS["KServe"] and "KV cache" not in s.SERVICE_SYSTEMS["KServe"]
+
+    labels = s.draw_service_layer().labels()
+    parts = [f"{p}\n{path.removeprefix('minillm/')}" for p, path in s.SERVICE_PARTS.items()]
+    assert labels[:5] == parts
+    cells = [label for row in s.SERVICE_SYSTEMS.values() for label in row.values()]
+    assert labels[5:] == [
+        row[p] for row in s.SERVICE_SYSTEMS.values() for p in s.SERVICE_PARTS if p in row
+    ]
+    assert len(labels) == 5 + len(cells)
+
+
+def test_service_layer_refuses_a_part_minillm_does_not_have():
+    with pytest.raises(ValueError, match=r"parts \['gateway'\]"):
+        s.draw_service_layer(systems={"X": {"gateway": "y"}})
+    small = s.draw_service_layer({"router": "a.py", "engine": "b.py"}, {"X": {"engine": "e"}})
+    assert small.labels() == ["router\na.py", "engine\nb.py", "e"]

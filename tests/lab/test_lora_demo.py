@@ -60,3 +60,38 @@ def test_mixed_batch_run_refuses_bad_input(tmp_path):
         lora_demo.mixed_batch_run(requests, ["a", "b"], ["sql"])
     with pytest.raises(ValueError, match=r"adapters \['nope'\] are not among \['sql'\]"):
         lora_demo.mixed_batch_run(requests, ["a"], ["nope"])
+
+
+def test_adapter_step_timing_runs_each_count_of_distinct_adapters_in_one_batch(tmp_path):
+    requests = lora_demo.write_random_adapters(tmp_path, names=("a", "b", "c"), rank=4)
+    times = lora_demo.time_adapter_steps(
+        requests, distinct=(0, 1, 3), batch_size=4, decode_steps=2, rounds=2, max_lora_rank=4
+    )
+    # the engine grouped the rows of every timed step into exactly k adapters
+    assert times.seen == {0: {0}, 1: {1}, 3: {3}}
+    assert sorted(times.round_ms) == [0, 1, 3]
+    assert all(len(r) == 2 and all(ms > 0 for ms in r) for r in times.round_ms.values())
+    assert (times.batch_size, times.decode_steps) == (4, 2)
+
+
+def test_adapter_step_statistics_are_the_rounds_median_spread_and_wins():
+    times = lora_demo.AdapterStepTimes(
+        8, 4, {1: [10.0, 12.0, 11.0, 13.0, 9.0], 8: [15.0, 11.0, 16.0, 20.0, 14.0]}, {}
+    )
+    assert times.median_ms(1) == 11.0 and times.median_ms(8) == 15.0
+    assert times.spread(1) == pytest.approx((12.0 - 10.0) / 11.0)  # quartiles 10 and 12
+    assert times.slower_rounds(8, than=1) == 4  # round 2: 11 against 12
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(distinct=(0, 4)), "must be in 0..3"),
+        (dict(distinct=(1, 3), batch_size=2), "do not fit a batch of 2"),
+        (dict(distinct=(0, 1), rounds=1), "rounds >= 2"),
+    ],
+)
+def test_adapter_step_timing_refuses_impossible_configurations(tmp_path, kwargs, message):
+    requests = {n: None for n in ("a", "b", "c")}  # refused before any is used
+    with pytest.raises(ValueError, match=message):
+        lora_demo.time_adapter_steps(requests, **kwargs)

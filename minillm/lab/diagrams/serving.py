@@ -515,6 +515,89 @@ def draw_multi_lora(adapters: Sequence[str | None], rank: int = 8, hidden: int =
     return c
 
 
+# ---------------------------------------------------------------- the service layer
+
+# minillm's parts a fleet is made of, top (the request's entry) to bottom, with the file
+# that holds each (the autoscaler is a model of one, in the book's instruments)
+SERVICE_PARTS = {
+    "router": "minillm/serve/router.py",
+    "autoscaler": "minillm/lab/autoscale.py",
+    "engine": "minillm/engine/llm_engine.py",
+    "KV cache": "minillm/core/kv_cache_manager.py",
+    "metrics": "minillm/serve/metrics.py",
+}
+
+# what each open system of the service layer provides in place of a minillm part; a part
+# a system leaves to another is absent from its row
+SERVICE_SYSTEMS = {
+    "llm-d": {
+        "router": "inference scheduler:\nprefix, KV, queue scorers",
+        "autoscaler": "left to Kubernetes\n(HPA, KEDA)",
+        "engine": "vLLM pods",
+        "KV cache": "P/D transfer\nwith NIXL",
+        "metrics": "scorers read\nvllm:* metrics",
+    },
+    "NVIDIA Dynamo": {
+        "router": "KV router on\nworkers' KV events",
+        "autoscaler": "Planner: P and D\npools to an SLO",
+        "engine": "vLLM, SGLang or\nTensorRT-LLM workers",
+        "KV cache": "disaggregated P/D,\nKV transfer (NIXL)",
+    },
+    "KServe": {
+        "router": "through llm-d\n(LLMInferenceService)",
+        "autoscaler": "Knative (to zero)\nor HPA / KEDA",
+        "engine": "InferenceService:\na vLLM runtime",
+    },
+    "KEDA": {
+        "autoscaler": "ScaledObject: any\nmetric, to and from 0",
+        "metrics": "reads Prometheus:\nnum_requests_waiting",
+    },
+}
+
+
+def draw_service_layer(parts=SERVICE_PARTS, systems=SERVICE_SYSTEMS) -> Canvas:
+    """The service layer on one map: minillm's parts down the left, in the order a request
+    meets them, and for each open system a column holding what it provides in place of each
+    part (a blank where it leaves that part to another system)."""
+    unknown = sorted({p for row in systems.values() for p in row} - set(parts))
+    if unknown:
+        raise ValueError(f"systems name parts {unknown} that are not among {list(parts)}")
+    row_h, part_w, col_w = 2.3, 7.4, 7.6
+    c = Canvas(part_w + 0.6 + col_w * len(systems), row_h * len(parts) + 1.4)
+    top = c.height - 1.2
+    c.text(part_w / 2 + 0.2, c.height - 0.55, "minillm", size=11)
+    kinds = ["request", "accent", "compute", "memory", "host"]
+    for i, (part, path) in enumerate(parts.items()):
+        y = top - (i + 1) * row_h + 0.2
+        c.box(
+            0.2,
+            y,
+            part_w,
+            row_h - 0.4,
+            f"{part}\n{path.removeprefix('minillm/')}",
+            kinds[i % len(kinds)],
+            fill=0.6,
+            fontsize=9,
+        )
+    for j, (name, row) in enumerate(systems.items()):
+        x = part_w + 0.6 + j * col_w
+        c.text(x + col_w / 2, c.height - 0.55, name, size=11)
+        for i, part in enumerate(parts):
+            if part in row:
+                y = top - (i + 1) * row_h + 0.2
+                c.box(
+                    x + 0.2,
+                    y,
+                    col_w - 0.4,
+                    row_h - 0.4,
+                    row[part],
+                    kinds[i % len(kinds)],
+                    fill=0.85,
+                    fontsize=8,
+                )
+    return c
+
+
 __all__ = [
     "BucketEvent",
     "SloOutcome",
@@ -524,6 +607,7 @@ __all__ = [
     "draw_multi_lora",
     "draw_request_timeline",
     "draw_router",
+    "draw_service_layer",
     "plot_slo_requests",
     "plot_token_bucket",
     "replay_bucket",
