@@ -382,13 +382,13 @@ def test_a_seeded_request_put_back_by_ctrl_c_does_not_draw_again(
     else:
         process = engine._process
 
-        def interrupted_process(plan, sampled, failed):
+        def interrupted_process(plan, sampled, failed, *arrived):
             if plan.step == step and not fired:
                 fired.append(plan.step)
                 # half applied: the tokens reach the requests, then the interrupt comes
                 engine.scheduler.update_from_output(plan, sampled)
                 raise KeyboardInterrupt
-            return process(plan, sampled, failed)
+            return process(plan, sampled, failed, *arrived)
 
         engine._process = interrupted_process
     results, at = {}, 0
