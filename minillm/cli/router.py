@@ -93,6 +93,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="the replicas' --max-model-len, for max_tokens left unset (default: theirs)",
     )
+    p.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="host names the router answers to besides localhost, IP addresses and --host "
+        "(a request whose Host header names another gets 400: a defence against DNS "
+        "rebinding; * for any)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -118,5 +127,6 @@ def _run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         api_key=args.api_key,
         timeout_s=args.request_timeout,
+        allowed_hosts=args.allowed_hosts,
     )
     return 0

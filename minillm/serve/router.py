@@ -55,6 +55,11 @@ stream without `stream_options.include_usage`, what the streamed chunks did not 
 left), gives back everything; a JSON answer cut short keeps it all, as the server keeps the
 tokens of a request whose client left. A body the router cannot count (not JSON, no
 prompt) is forwarded uncharged, and the replica answers its 400.
+
+The router answers only to its own names, as the server does (`allowed_hosts`,
+`--allowed-hosts`; see minillm.serve.api_server.HostCheckMiddleware): a request whose Host
+header names another host is refused with 400 before its body is read or forwarded, since a
+router on localhost is reachable by DNS rebinding just as a replica is.
 """
 
 from __future__ import annotations
@@ -78,8 +83,10 @@ from starlette.responses import StreamingResponse
 from minillm.serve.api_server import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ApiKeyMiddleware,
+    HostCheckMiddleware,
     PromptReader,
     api_key_list,
+    check_allowed_hosts,
     rate_limit_key,
     rate_limited_error,
     read_capped_body,
@@ -353,6 +360,7 @@ class Router:
         max_model_len: int | None = None,
         api_key: str | Sequence[str] | None = None,
         max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+        allowed_hosts: Sequence[str] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -385,6 +393,9 @@ class Router:
         # checked here when given: then each key has its own bucket (else one for all)
         self.api_keys = api_key_list(api_key)
         self.max_request_body_bytes = max_request_body_bytes  # larger: 413, not forwarded
+        # host names answered besides localhost and IP addresses (the server's DNS-rebinding
+        # check, see HostCheckMiddleware); "*": any
+        self.allowed_hosts = check_allowed_hosts(allowed_hosts)
         # token quotas for the whole deployment (see the module docstring)
         if rate_limiter is None and rate_limit_tokens_per_minute is not None:
             rate_limiter = RateLimiter(rate_limit_tokens_per_minute, rate_limit_burst_tokens)
@@ -669,6 +680,8 @@ def build_router_app(router: Router):
 
     if router.api_keys is not None:
         app.add_middleware(ApiKeyMiddleware, api_keys=router.api_keys)
+    if "*" not in router.allowed_hosts:  # added last: checked first, before anything is read
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=router.allowed_hosts)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -733,9 +746,9 @@ def start_router(
     """Route over `replicas` from a thread (options: Router's); returns once it listens."""
     import uvicorn
 
-    from minillm.serve.server import bind_socket
+    from minillm.serve.server import bind_socket, with_bound_host
 
-    router = Router(replicas, policy, **options)
+    router = Router(replicas, policy, **with_bound_host(options, host))
     sock = bind_socket(host, port)
     config = uvicorn.Config(
         build_router_app(router),
@@ -779,6 +792,8 @@ def route_forever(
     """Route in the foreground until interrupted (what `minillm router` runs)."""
     import uvicorn
 
-    router = Router(replicas, policy, **options)
+    from minillm.serve.server import with_bound_host
+
+    router = Router(replicas, policy, **with_bound_host(options, host))
     print(f"minillm router: {policy} over {router.replicas} on http://{host}:{port}", flush=True)
     uvicorn.run(build_router_app(router), host=host, port=port, log_level=log_level)

@@ -317,3 +317,39 @@ def test_a_short_system_prompt_still_keys_a_tenant():
     assert prefix_key({"messages": [{"role": "developer", "content": "be terse"}, *talk]}) == (
         "developer:be terse\n"
     )
+
+
+def test_the_router_refuses_a_foreign_host_before_forwarding(llm):
+    """DNS rebinding reaches a router on localhost as it reaches a server: a foreign Host is
+    a 400 in OpenAI's JSON and no replica sees the request; its own names are served."""
+    with run_server(llm, port=0) as server:
+        with run_router([server.url], "round_robin", allowed_hosts=["edge.lan"]) as router:
+            steps = server.engine.scheduler.num_steps
+            r = httpx.post(
+                router.url + "/v1/completions",
+                json={"prompt": "x", "max_tokens": 4},
+                headers={"host": "attacker.example"},
+                timeout=60,
+            )
+            assert r.status_code == 400
+            assert r.json()["error"]["code"] == "invalid_host"
+            assert "--allowed-hosts attacker.example" in r.json()["error"]["message"]
+            assert server.engine.scheduler.num_steps == steps
+            assert router.router.requests_total[server.url] == 0
+            for host in ["localhost", "127.0.0.1:9", "Edge.LAN:8000"]:
+                answer = httpx.get(router.url + "/metrics", headers={"host": host})
+                assert answer.status_code == 200
+    with run_router([free_port_url()], allowed_hosts=["*"]) as router:
+        answer = httpx.get(router.url + "/metrics", headers={"host": "any.example"})
+        assert answer.status_code == 200
+
+
+def test_router_allowed_hosts_are_checked_and_parsed():
+    from minillm.cli.main import build_parser
+
+    with pytest.raises(ValueError, match="host names"):
+        Router(["http://a:1"], allowed_hosts=["http://a.example/"])
+    args = build_parser("router").parse_args(
+        ["router", "--replica", "http://a:1", "--allowed-hosts", "a.lan", "b.lan"]
+    )
+    assert args.allowed_hosts == ["a.lan", "b.lan"]
