@@ -2,8 +2,8 @@
 
 `python -m tests.faults.soak --http --clients 50 --minutes 20 --record results.json` starts
 `minillm serve` (the bundled model, a small KV pool so that long requests preempt others,
-prefix caching on) as a child process and runs `--clients` clients at once, each sending one
-request after another, a mix of:
+prefix caching on, step faults injected by tests.faults.fault_serve) as a child process and
+runs `--clients` clients at once, each sending one request after another, a mix of:
 
     normal          a streamed completion, sampled with a seed, to its end
     chat            a streamed chat completion
@@ -12,6 +12,9 @@ request after another, a mix of:
     structured      a stream under a regex or a JSON schema; the text must match it
     prefix_sharing  a long shared prefix with a short own suffix, greedy
     preempting      a long prompt and a long output with n=2: the pool cannot hold many
+    faulted         a prompt the server's engine fails in every step (tests.faults.fault_serve
+                    injects it, and a transient fault of every 40th batch): the stream must
+                    end with the engine's error event and [DONE], the others go on
 
 Every `--check-every` requests the clients pause; once they are idle the server must report
 no request running or waiting and no KV block held (`/metrics`), and a greedy probe request
@@ -46,6 +49,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from minillm import LLM, SamplingParams
+from tests.faults.fault_serve import POISON, TRANSIENT_EVERY
 
 # the engine the server runs: a pool of 96 blocks of 16 tokens holds six full-length
 # requests, so 16 running requests with long outputs must preempt
@@ -66,6 +70,7 @@ MIX = {
     "structured": 3,
     "prefix_sharing": 2,
     "preempting": 2,
+    "faulted": 1,
 }
 PROBE = {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
 PREFIXES = [
@@ -368,6 +373,23 @@ class Soak:
         if self.finished("preempting", stream, started):
             self.check_tokens("preempting", stream, 2, max_tokens, exact=True)
 
+    async def faulted(self, client, rng, started):
+        body = {
+            "prompt": POISON + [rng.randint(20, 200) for _ in range(rng.randint(1, 8))],
+            "max_tokens": 8,
+            "stream": True,
+        }
+        stream = Stream()
+        await stream.read(client, "/v1/completions", body, started)
+        error = stream.error or {}
+        if stream.status != 200 or not stream.done:
+            detail = f"status {stream.status}, done {stream.done}"
+            self.tally.fail("faulted", "not ended by an error event and [DONE]", detail)
+        elif error.get("code") != "engine_error" or "injected fault" not in error.get(
+            "message", ""
+        ):
+            self.tally.fail("faulted", "no engine error event", json.dumps(stream.error))
+
     # ------------------------------------------------------------------ checks
 
     async def metrics(self, client) -> dict[str, float]:
@@ -532,7 +554,7 @@ def idle_metrics(values: dict[str, float]) -> dict:
     }
 
 
-def serve_command(port: int = 0) -> list[str]:
+def serve_command(port: int = 0, transient_every: int = TRANSIENT_EVERY) -> list[str]:
     flags = []
     for name, value in ENGINE_OPTIONS.items():
         flag = "--" + name.replace("_", "-")
@@ -540,7 +562,9 @@ def serve_command(port: int = 0) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "minillm.cli.main",
+        "tests.faults.fault_serve",
+        "--transient-every",
+        str(transient_every),
         "serve",
         "--port",
         str(port),
@@ -552,10 +576,13 @@ def serve_command(port: int = 0) -> list[str]:
     ]
 
 
-def start_server(log_path: pathlib.Path) -> tuple[subprocess.Popen, str]:
+def start_server(
+    log_path: pathlib.Path, transient_every: int = TRANSIENT_EVERY
+) -> tuple[subprocess.Popen, str]:
     """`minillm serve` on a free loopback port; its URL, read from its first line."""
     log = open(log_path, "w")  # noqa: SIM115 (kept open for the child's lifetime)
-    process = subprocess.Popen(serve_command(), stdout=log, stderr=subprocess.STDOUT)
+    command = serve_command(transient_every=transient_every)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         found = re.search(r"minillm serve: \S+ on (http://\S+)", log_path.read_text())
@@ -599,12 +626,13 @@ def run_http_soak(
     seed: int,
     workdir: pathlib.Path,
     drain_streams: int = 20,
+    transient_every: int = TRANSIENT_EVERY,
 ) -> dict:
     """Run the soak; the record (see the module's docstring)."""
     expected = fresh_probe_text()
     log_path = workdir / "serve.log"
     load_before = os.getloadavg()
-    process, url = start_server(log_path)
+    process, url = start_server(log_path, transient_every)
     soak = Soak(url, clients, check_every, seed, expected)
     started = time.monotonic()
     try:
@@ -624,7 +652,12 @@ def run_http_soak(
         "minutes": minutes,
         "check_every": check_every,
         "seed": seed,
-        "serve_command": " ".join(["minillm", *serve_command()[3:]]),
+        "serve_command": " ".join(["minillm", *serve_command()[5:]]),
+        "injected_faults": {
+            "transient_every_nth_batch": transient_every,
+            "transient": log_path.read_text().count("injected fault: transient"),
+            "poisoned_steps": log_path.read_text().count("injected fault: poisoned"),
+        },
         "traffic_s": round(traffic_s, 1),
         "requests": sum(tally.requests.values()),
         "requests_by_kind": dict(sorted(tally.requests.items())),

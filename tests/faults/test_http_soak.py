@@ -17,11 +17,22 @@ from tests.faults.http_soak import (
 
 def test_a_short_http_soak_loses_no_request_and_leaves_no_block(tmp_path):
     record = run_http_soak(
-        minutes=0.15, clients=6, check_every=25, seed=3, workdir=tmp_path, drain_streams=8
+        minutes=0.15,
+        clients=6,
+        check_every=25,
+        seed=3,
+        workdir=tmp_path,
+        drain_streams=8,
+        transient_every=5,
     )
     assert record["failures"] == 0, record["failure_examples"]
     assert set(record["requests_by_kind"]) == set(MIX)  # every kind ran
     assert record["checks"] >= 2 and record["checks_failed"] == 0
+    faults = record["injected_faults"]  # both faults struck, and cost no other request
+    assert (
+        faults["transient"] >= 1
+        and faults["poisoned_steps"] >= record["requests_by_kind"]["faulted"]
+    )
     final = record["final_check"]
     assert final["kv_blocks_held"] == 0 and final["kv_blocks"] == ENGINE_OPTIONS["num_gpu_blocks"]
     assert final["running"] == 0 and final["waiting"] == 0 and final["probe_equals_fresh_engine"]
