@@ -179,29 +179,13 @@ def test_the_mixed_step_splits_the_batch_and_agrees_with_its_halves(monkeypatch)
     batch really is mixed (decode rows beside a chunk), and each sequence's outputs in it
     match the same sequence's outputs in the decode-only and prefill-only batches."""
     from minillm.lab import kernel_bench
-    from minillm.model.config import ModelConfig
     from minillm.model.llama import LlamaForCausalLM
+    from tests.model.quant_testing import tiny_config
 
     monkeypatch.setattr(kernel_bench, "DEVICE", "cpu")
     monkeypatch.setattr(kernel_bench, "DTYPE", torch.float32)
     torch.manual_seed(0)
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-    )
+    config = tiny_config()
     model = LlamaForCausalLM(config, "triton").eval()
     forwards = kernel_bench.mixed_step_forwards(model, decodes=3, context=40, chunk=20, prefix=16)
     (mixed, n_mixed), (decode, n_decode), (prefill, n_prefill) = forwards.values()
