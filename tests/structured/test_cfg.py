@@ -12,15 +12,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm.model.loader import DEFAULT_MODEL, resolve_model_path
-from minillm.model.tokenizer import Tokenizer
 from minillm.structured import cfg
 from minillm.structured.cfg import GrammarError, GrammarLimitError, compile_grammar
-from minillm.structured.grammar import StructuredOutputManager, token_bytes
+from minillm.structured.grammar import token_bytes
 from minillm.structured.regex import Alternation, Chars, CompileLimitError, Concat, Repeat, parse
 
 lark = pytest.importorskip("lark")
 xgr = pytest.importorskip("xgrammar")
+
+from xgrammar_oracle import compare_walks, xgrammar_setup  # noqa: E402
 
 SQL = """
     ?start: select_statement
@@ -90,13 +90,7 @@ def to_xgrammar(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def setup():
-    tokenizer = Tokenizer(resolve_model_path(DEFAULT_MODEL))
-    vocab_size = tokenizer.vocab_size
-    encoded = [data or b"" for data in token_bytes(tokenizer, vocab_size)]
-    info = xgr.TokenizerInfo(
-        encoded, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id]
-    )
-    return tokenizer, xgr.GrammarCompiler(info), StructuredOutputManager(tokenizer, vocab_size)
+    return xgrammar_setup()
 
 
 def lark_accepts(parser, text: str) -> bool:
@@ -117,13 +111,6 @@ def xgrammar_verdict(compiled, eos: int, text: str) -> tuple[bool, bool]:
     if text and not matcher.accept_string(text):
         return False, False
     return True, matcher.accept_token(eos)
-
-
-def xgrammar_mask(matcher, vocab_size: int) -> torch.Tensor:
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-    matcher.fill_next_token_bitmask(bitmask)
-    ids = torch.arange(vocab_size)
-    return ((bitmask[0][ids // 32] >> (ids % 32)) & 1).bool()
 
 
 # ---------------------------------------------------------------------------------------
@@ -298,33 +285,6 @@ def test_random_grammars_accept_what_lark_and_xgrammar_accept(setup, text, strin
 def test_random_grammar_token_masks_equal_xgrammars(setup, text):
     tokenizer, compiler, manager = setup
     compare_walks(setup, compile_grammar(text), compiler.compile_grammar(to_xgrammar(text)), 2, 6)
-
-
-def compare_walks(setup, grammar, compiled, num_walks: int, max_steps: int) -> int:
-    """Random walks over allowed tokens; our mask equals xgrammar's at every step (EOS
-    included). Returns how many masks were compared."""
-    tokenizer, _, manager = setup
-    vocab_size, eos = tokenizer.vocab_size, tokenizer.eos_token_id
-    rng = random.Random(grammar.source)
-    compared = 0
-    for walk in range(num_walks):
-        matcher = xgr.GrammarMatcher(compiled)
-        request_id = f"{grammar.source}/{walk}"
-        output: list[int] = []
-        for _ in range(max_steps):
-            ours = manager.allowed_mask(request_id, grammar, output, [eos])
-            theirs = xgrammar_mask(matcher, vocab_size)
-            different = (ours != theirs).nonzero().flatten().tolist()
-            assert different == [], (tokenizer.decode(output), different[:10])
-            compared += 1
-            choices = [t for t in ours.nonzero().flatten().tolist() if t != eos]
-            if not choices:
-                break
-            token = rng.choice(choices)
-            assert matcher.accept_token(token)
-            output.append(token)
-        manager.free(request_id)
-    return compared
 
 
 @pytest.mark.parametrize("grammar_text", [SQL, BRACKETS, ARITHMETIC])

@@ -7,17 +7,14 @@ bytes our masks walk.
 """
 
 import json
-import random
 
 import pytest
-import torch
 
-from minillm.model.loader import DEFAULT_MODEL, resolve_model_path
-from minillm.model.tokenizer import Tokenizer
-from minillm.structured.grammar import StructuredOutputManager, token_bytes
 from minillm.structured.json_schema import schema_to_regex
 
 xgr = pytest.importorskip("xgrammar")
+
+from xgrammar_oracle import compare_walks, xgrammar_setup  # noqa: E402
 
 # no "." here: xgrammar's "." also matches a newline, Python's (and ours) does not
 REGEXES = [
@@ -46,55 +43,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def setup():
-    tokenizer = Tokenizer(resolve_model_path(DEFAULT_MODEL))
-    vocab_size = tokenizer.vocab_size
-    encoded = [data or b"" for data in token_bytes(tokenizer, vocab_size)]
-    info = xgr.TokenizerInfo(
-        encoded, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id]
-    )
-    return tokenizer, xgr.GrammarCompiler(info), StructuredOutputManager(tokenizer, vocab_size)
-
-
-def xgrammar_mask(matcher, vocab_size: int) -> torch.Tensor:
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-    matcher.fill_next_token_bitmask(bitmask)
-    ids = torch.arange(vocab_size)
-    return ((bitmask[0][ids // 32] >> (ids % 32)) & 1).bool()
-
-
-def compare_walks(
-    setup, pattern: str, compiled, num_walks: int = 3, max_steps: int = 12, avoid: bytes = b""
-):
-    """Walk random allowed tokens (none whose bytes hold `avoid`, when given) and compare the
-    masks at every state; returns how many states were compared."""
-    tokenizer, _, manager = setup
-    vocab = token_bytes(tokenizer, tokenizer.vocab_size)
-    vocab_size = tokenizer.vocab_size
-    eos = tokenizer.eos_token_id
-    rng = random.Random(pattern)
-    num_states_compared = 0
-    for walk in range(num_walks):
-        matcher = xgr.GrammarMatcher(compiled)
-        request_id = f"{pattern}/{walk}"
-        output: list[int] = []
-        for _ in range(max_steps):
-            ours = manager.allowed_mask(request_id, pattern, output, [eos])
-            theirs = xgrammar_mask(matcher, vocab_size)
-            different = (ours != theirs).nonzero().flatten().tolist()
-            assert different == [], (tokenizer.decode(output), different[:10])
-            num_states_compared += 1
-            choices = [
-                t
-                for t in ours.nonzero().flatten().tolist()
-                if t != eos and not (avoid and avoid in vocab[t])
-            ]
-            if not choices:
-                break
-            token = rng.choice(choices)
-            assert matcher.accept_token(token)
-            output.append(token)
-        manager.free(request_id)
-    return num_states_compared
+    return xgrammar_setup()
 
 
 @pytest.mark.parametrize("pattern", REGEXES)
