@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from structured_testing import SQL
 
 from minillm.structured import cfg
 from minillm.structured.cfg import GrammarError, GrammarLimitError, compile_grammar
@@ -22,14 +23,6 @@ xgr = pytest.importorskip("xgrammar")
 
 from xgrammar_oracle import compare_walks, xgrammar_setup  # noqa: E402
 
-SQL = """
-    ?start: select_statement
-    ?select_statement: "SELECT " column_list " FROM " table_name
-    ?column_list: column_name ("," column_name)*
-    ?table_name: identifier
-    ?column_name: identifier
-    ?identifier: /[a-zA-Z_][a-zA-Z0-9_]*/
-"""
 BRACKETS = 'start: "(" start ")" start | "[" start "]" start | "x"'
 ARITHMETIC = """
 start: expr

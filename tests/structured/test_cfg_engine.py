@@ -3,6 +3,7 @@ sentence of the grammar by Lark (an independent Earley parser), greedy and sampl
 with unconstrained requests; a bad grammar is refused where it enters."""
 
 import pytest
+from structured_testing import SQL, run_counting_steps
 
 from minillm import LLM, SamplingParams
 from minillm.sampling_params import StructuredOutputsParams
@@ -11,14 +12,6 @@ from minillm.structured.regex import CompileLimitError
 
 lark = pytest.importorskip("lark")
 
-SQL = """
-    ?start: select_statement
-    ?select_statement: "SELECT " column_list " FROM " table_name
-    ?column_list: column_name ("," column_name)*
-    ?table_name: identifier
-    ?column_name: identifier
-    ?identifier: /[a-zA-Z_][a-zA-Z0-9_]*/
-"""
 # the same shape with every part bounded, so that each completion ends within max_tokens
 SQL_BOUNDED = """
 start: "SELECT " columns " FROM " name
@@ -108,18 +101,6 @@ def test_forced_text_of_a_grammar(llm):
     assert forced("SELECT a,b,cdefgh") == b" FROM "  # the third name is at its 6 characters
     assert forced("SELECT a F") == b"ROM "
     assert forced("SELECT a FROM b") == b""  # a sentence: the model may stop or go on
-
-
-def run_counting_steps(llm, prompt, params) -> tuple[str, int]:
-    engine = llm.engine
-    engine.add_request("counted", prompt, params)
-    steps, text = 0, None
-    while engine.has_unfinished_requests():
-        steps += 1
-        for output in engine.step():
-            if output.finished:
-                text = output.outputs[0].text
-    return text, steps
 
 
 def test_jump_forward_over_a_grammars_forced_text(llm):

@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+from structured_testing import run_counting_steps
 
 from minillm import LLM, SamplingParams
 from minillm.sampling_params import StructuredOutputsParams
@@ -118,18 +119,6 @@ def test_unconstrained_rows_in_the_batch_are_unaffected(llm):
     mixed = llm.generate(PROMPTS[:2], [plain, constrained], use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone.token_ids
     assert re.fullmatch("[0-9]+", mixed[1].outputs[0].text)
-
-
-def run_counting_steps(llm, prompt, params) -> tuple[str, int]:
-    engine = llm.engine
-    engine.add_request("counted", prompt, params)
-    steps, text = 0, None
-    while engine.has_unfinished_requests():
-        steps += 1
-        for output in engine.step():
-            if output.finished:
-                text = output.outputs[0].text
-    return text, steps
 
 
 def test_jump_forward_skips_forwards_over_forced_text(llm):
