@@ -67,18 +67,23 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, MLP = 32, 8, 128, 4096, 14336
 
 
-def sass_opcodes(cubin: bytes) -> collections.Counter:
-    """How many times each SASS opcode (I2F, LOP3, HFMA2 ..., without modifiers) occurs in
-    a cubin, as `cuobjdump -sass` disassembles it."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """What Triton's bundled `cuobjdump FLAG` prints for a cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run(
-            [triton.knobs.nvidia.cuobjdump.path, "-sass", f.name],
+        return subprocess.run(
+            [triton.knobs.nvidia.cuobjdump.path, flag, f.name],
             capture_output=True,
             text=True,
             check=True,
         ).stdout
+
+
+def sass_opcodes(cubin: bytes) -> collections.Counter:
+    """How many times each SASS opcode (I2F, LOP3, HFMA2 ..., without modifiers) occurs in
+    a cubin, as `cuobjdump -sass` disassembles it."""
+    sass = cuobjdump(cubin, "-sass")
     found = re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     return collections.Counter(m.group(1) for m in found)
 
@@ -124,15 +129,7 @@ def compile_like_jit(case: Case, arch: int):
 def cubin_resources(cubin: bytes) -> tuple[int, int]:
     """(registers per thread, local-memory bytes per thread: spills and stack) of the one
     kernel in a cubin, as `cuobjdump --dump-resource-usage` reports them."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        report = subprocess.run(
-            [triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+    report = cuobjdump(cubin, "--dump-resource-usage")
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", report)
     if found is None:
         raise RuntimeError(f"no resource usage in cuobjdump's report: {report[-500:]}")
