@@ -592,6 +592,14 @@ class Scheduler:
         if to_free:
             self._free_finished(to_free, now)
 
+    def hold_for_transfer(self, request_id: str) -> None:
+        """Disaggregation: a step that finished this request's prompt is being taken back,
+        but its KV transfer still writes into the request's blocks: they leave its tables
+        (it recomputes into new ones) and go back to the pool when that transfer lands, as an
+        aborted request's do (`update_from_remote_kvs`)."""
+        request = self.requests[request_id]
+        self.finished_awaiting_kvs.setdefault(request_id, []).append(self._take_blocks(request))
+
     def requeue(self, output: SchedulerOutput) -> None:
         """Undo a planned step that did not run (interrupted): every request it scheduled
         gives back its blocks and waits at the front of the queue, in its order, to be

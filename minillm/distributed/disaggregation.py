@@ -23,6 +23,13 @@ are recorded (`KVTransferRecord`). Every wait still has a deadline: a prefill ra
 answers nothing for `step_timeout_s`, or a transfer that does not land in that time, stops
 the engine with an error that names the rank.
 
+A step interrupted (Ctrl-C) is taken back by the engine, but both ranks still run what they
+were sent: rank 0 still sends the KV of the prompts the step finished, into blocks the
+scheduler would otherwise give to other requests at once. So those transfers are cancelled
+(`MultiprocExecutor.cancel_step`): the scheduler keeps their blocks out of the pool until
+each lands (`Scheduler.hold_for_transfer`), their first tokens are dropped, and the decode
+answers still owed are taken in before the next step.
+
 vLLM's `KVTransferConfig` (v0.8 and later) names the connector (`kv_connector`: NIXL, P2P NCCL,
 LMCache ...) and a role per instance, because there the producer and consumer are separate
 engines behind a proxy. Here one engine owns both ranks, so `kv_role` can only be "kv_both"

@@ -105,6 +105,12 @@ class MultiprocExecutor:
         self._first_tokens: dict[int, tuple[float, list]] = {}
         self._landed: set[int] = set()
         self._pending_finished: list[str] = []
+        # an interrupted step (Ctrl-C): the decode answers still owed, the transfers the step
+        # handed rank 0 (id, request id), and those the engine cancelled, by id, whose KV is
+        # still to land in blocks the scheduler holds for them meanwhile
+        self._decode_owed = 0
+        self._step_transfers: list[tuple[int, str]] = []
+        self._cancelled: dict[int, str] = {}
         # 1 while a rank waits in a collective (set by the rank, read here when a step is late)
         self.wait_flags = context.Array("b", spec.world_size, lock=False)
         for rank in range(spec.world_size):
@@ -148,22 +154,53 @@ class MultiprocExecutor:
         """Hand the prefill chunks to rank 0 without waiting for them, run the decode step on
         rank 1 and wait for that alone; collect whatever rank 0 answered meanwhile (the first
         tokens of the prompts it finished) and the transfers rank 1 received (`take_arrived`)."""
+        self._step_transfers = []  # until the engine has this step back, cancel_step's
+        self._take_owed_decode_answers()
         prefill, decode, transfers = split_plan(plan, self.spec.block_size)
         self._pending_finished += plan.finished_req_ids
         if prefill.scheduled:
             tagged = [(next(self._transfer_ids), rid, blocks) for rid, blocks in transfers]
             prefill.finished_req_ids, self._pending_finished = self._pending_finished, []
+            self._step_transfers = [(transfer_id, rid) for transfer_id, rid, _ in tagged]
             self._send(PREFILL_RANK, pickle.dumps(("execute_model", (prefill, tagged))))
             self._prefills_sent.append(time.monotonic())
         self._send(DECODE_RANK, pickle.dumps(("execute_model", (decode, ()))))
-        try:
-            sampled, landed = self._receive(DECODE_RANK, self.step_timeout_s)
-        except _Late:
-            self._fail(self._stall_report([DECODE_RANK]))
+        self._decode_owed += 1
+        self._take_owed_decode_answers(keep_last=True)
+        sampled, landed = self._decode_answer()
         self._landed.update(landed)
         self._take_prefill_answers()
         self._check_transfers()
         return sampled
+
+    def _decode_answer(self) -> tuple[dict, list[int]]:
+        """Rank 1's answer to the oldest decode step it owes, within step_timeout_s."""
+        try:
+            answer = self._receive(DECODE_RANK, self.step_timeout_s)
+        except _Late:
+            self._fail(self._stall_report([DECODE_RANK]))
+        self._decode_owed -= 1
+        return answer
+
+    def _take_owed_decode_answers(self, keep_last: bool = False) -> None:
+        """After an interrupted step: wait for the decode steps rank 1 still owes (it runs
+        every command it was sent, in order), keep the transfers they report as landed and
+        drop their tokens, which the scheduler has taken back; keep_last leaves the newest
+        one, the step now being run."""
+        while self._decode_owed > (1 if keep_last else 0):
+            _, landed = self._decode_answer()
+            self._landed.update(landed)
+
+    def cancel_step(self) -> list[str]:
+        """The step being run was interrupted (Ctrl-C) and the engine takes it back: the KV
+        transfers it handed rank 0 still happen (rank 0 runs every command it was sent), so
+        they are cancelled instead. Their first tokens are dropped; each lands as a release
+        of the blocks it writes into (`take_arrived`). Returns the ids of their requests,
+        whose blocks the scheduler must hold until then."""
+        cancelled = self._step_transfers
+        self._step_transfers = []
+        self._cancelled.update(cancelled)
+        return [request_id for _, request_id in cancelled]
 
     def _take_prefill_answers(self, wait_for_all: bool = False) -> None:
         """Rank 0's answers so far (each: first tokens by transfer id), or, with
@@ -185,6 +222,8 @@ class MultiprocExecutor:
             self._prefills_sent.popleft()
             self._last_prefill_answer_s = now
             for transfer_id, tokens in answer.items():
+                if transfer_id in self._cancelled:
+                    tokens = [(self._cancelled[transfer_id], None)]  # releases its blocks
                 self._first_tokens[transfer_id] = (now, tokens)
 
     def _prefill_time_left(self) -> float:
@@ -204,12 +243,14 @@ class MultiprocExecutor:
 
     def take_arrived(self) -> list[tuple[str, SampledToken]]:
         """Disaggregation: (sequence id, first token) of every request whose KV has landed on
-        the decode rank and whose first token rank 0 has reported, in transfer order."""
+        the decode rank and whose first token rank 0 has reported, in transfer order. A
+        cancelled transfer comes as (request id, None): the blocks held for it are free now."""
         ready = sorted(t for t in self._first_tokens if t in self._landed)
         arrived = []
         for transfer_id in ready:
             arrived += self._first_tokens.pop(transfer_id)[1]
             self._landed.discard(transfer_id)
+            self._cancelled.pop(transfer_id, None)
         return arrived
 
     def kv_transfer_records(self) -> list:

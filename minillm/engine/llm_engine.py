@@ -407,6 +407,7 @@ class LLMEngine:
             raise
         except BaseException:
             # interrupted (Ctrl-C): nothing of the step happened; its requests recompute later
+            self._cancel_transfers()
             self._rewind_generators([plan])
             self.scheduler.requeue(plan)
             raise
@@ -505,6 +506,15 @@ class LLMEngine:
         except BaseException:
             self._requeue_in_flight(plan, future)
             raise
+
+    def _cancel_transfers(self) -> None:
+        """Disaggregation, a step taken back: the prefill rank still sends the KV of the
+        prompts that step finished, so their blocks stay held until it has landed, and no
+        other request can be given them meanwhile."""
+        if self.executor is None or self.executor.spec.kv_transfer is None:
+            return
+        for request_id in self.executor.cancel_step():
+            self.scheduler.hold_for_transfer(request_id)
 
     def _arrived_kvs(self) -> list:
         """Disaggregation: (sequence id, first token) of the requests whose KV has landed on

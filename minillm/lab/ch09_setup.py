@@ -80,9 +80,10 @@ class ServingLab:
         rng = np.random.default_rng(seed)
         return [loadgen.random_text(rng, num_tokens, self.tokenizer) for _ in range(n)]
 
-    def sweep_run(self, rate_per_s: float, seed: int, n: int = 10) -> OpenLoopRun:
+    def sweep_run(self, rate_per_s: float, seed: int, n: int | None = None) -> OpenLoopRun:
         """An open-loop run of n requests (32-token prompts, 8 output tokens) at a Poisson
-        rate (`math.inf`: all at once)."""
+        rate (`math.inf`: all at once); n defaults to the sweep's SWEEP_REQUESTS."""
+        n = SWEEP_REQUESTS if n is None else n
         arrivals = loadgen.arrival_times(n, rate_per_s, seed)
         requests = [
             TimedRequest(t, p, fixed_length(8))
@@ -96,6 +97,11 @@ class ServingLab:
 SWEEP_FRACTIONS = (0.3, 0.6, 1.0, 1.5, 2.5)
 CLOSED_CONCURRENCIES = (1, 2, 4, 8)
 SWEEP_REPEATS = 3
+# requests per open-loop run of the sweep. A run at fraction f of mu lasts about n / (f mu)
+# (n / mu past mu), so a round costs about 8 n / mu seconds: 30 keeps the three rounds near
+# a minute at the mu of a 2-core machine, and gives each p50 30 requests, each median of
+# repeats 90 (a p99 would need several hundred: the sweep reports medians)
+SWEEP_REQUESTS = 30
 
 
 def sweep_seed(repeat: int, index: int) -> int:

@@ -174,17 +174,46 @@ def closed_loop(carry_backlog=True, from_send_is_schedule=False):
     return closed_loop_latencies
 
 
-def in_flight(clip=True, per_request=False):
-    def mean_in_flight(intervals, t0_s, t1_s):
-        if clip:
-            busy = sum(max(0.0, min(b, t1_s) - max(a, t0_s)) for a, b in intervals)
-        else:
-            busy = sum(b - a for a, b in intervals)
-        if per_request:
-            return busy / max(1, len(intervals))
-        return busy / (t1_s - t0_s)
+def little(l_rule="gauge", lam_rule="departures", w_rule="whole", mutate=False):
+    """An answer to Exercise 8 built from one way of getting L and one of getting lambda W."""
 
-    return mean_in_flight
+    def littles_law_window(gauge, requests, t0_s, t1_s):
+        width = t1_s - t0_s
+        if l_rule == "intervals":  # the requests' own presence: the identity, no gauge
+            area = sum(max(0.0, min(b, t1_s) - max(a, t0_s)) for a, b in requests)
+            L = area / width
+        elif l_rule == "sample mean":  # counts samples instead of weighing them by time
+            inside = [v for t, v in gauge if t0_s <= t <= t1_s]
+            L = sum(inside) / len(inside) if inside else 0.0
+        else:
+            area = 0.0
+            for k, (t, value) in enumerate(gauge):
+                until = gauge[k + 1][0] if k + 1 < len(gauge) else math.inf
+                if l_rule == "no carry-in" and t < t0_s:
+                    continue
+                if l_rule == "samples' span":
+                    until = gauge[k + 1][0] if k + 1 < len(gauge) else t
+                    area += value * (until - t)
+                else:
+                    area += value * max(0.0, min(until, t1_s) - max(t, t0_s))
+            span = gauge[-1][0] - gauge[0][0] if l_rule == "samples' span" else width
+            L = area / span if span > 0 else 0.0
+        if lam_rule == "every request":
+            chosen = list(requests)
+        elif lam_rule == "arrivals":
+            chosen = [(a, f) for a, f in requests if t0_s <= a <= t1_s]
+        else:
+            chosen = [(a, f) for a, f in requests if t0_s <= f <= t1_s]
+        if w_rule == "clipped":
+            stays = [f - max(a, t0_s) for a, f in chosen]
+        else:
+            stays = [f - a for a, f in chosen]
+        if mutate:
+            gauge.sort(key=lambda s: -s[1])
+            requests.append((t0_s, t1_s))
+        return L, sum(stays) / width
+
+    return littles_law_window
 
 
 def quantile_rule(interpolate=True, from_zero=False, cumulative=True, inf_value=None, strict=False):
@@ -389,11 +418,19 @@ WRONG_ANSWERS = {
         ),
         "constant timing": lambda service, interval: ([0.1] * len(service), [0.1] * len(service)),
     },
-    "mean_in_flight": {
-        "not clipped to the window": in_flight(clip=False),
-        "averaged over requests": in_flight(per_request=True),
-        "hard-coded worked example": lambda intervals, t0, t1: 1.0,
-        "an int": lambda intervals, t0, t1: round(in_flight()(intervals, t0, t1)),
+    "littles_law_window": {
+        "L from the requests' intervals (the identity)": little(l_rule="intervals"),
+        "mean of the samples, not a time average": little(l_rule="sample mean"),
+        "the value before the window not carried in": little(l_rule="no carry-in"),
+        "averaged over the samples' span, not the window": little(l_rule="samples' span"),
+        "lambda W over every request": little(lam_rule="every request"),
+        "lambda from arrivals in the window": little(lam_rule="arrivals"),
+        "W clipped to the window": little(w_rule="clipped"),
+        "changes the caller's lists": little(mutate=True),
+        "hard-coded worked example": lambda gauge, requests, t0, t1: (2.0, 1.85),
+        "a list instead of a tuple": lambda gauge, requests, t0, t1: list(
+            little()(gauge, requests, t0, t1)
+        ),
     },
     "quantile_from_buckets": {
         "no interpolation": quantile_rule(interpolate=False),
@@ -439,5 +476,5 @@ WRONG_ANSWERS = {
 class TestChecks(ExerciseChecks):
     SOLUTION = ROOT / "solutions" / "ch09_metrics.ipynb"
     EXERCISE = ROOT / "exercises" / "ch09_metrics.ipynb"
-    POINTS = [1, 1, 1, 1, 1, 1, 3, 1, 4, 1, 1, 6, 5]
+    POINTS = [1, 1, 1, 1, 1, 1, 3, 2, 4, 1, 1, 6, 5]
     WRONG_ANSWERS = WRONG_ANSWERS

@@ -35,15 +35,13 @@ OMITTED: dict[str, str] = {
     **dict.fromkeys(["TLS", "Volume", "Shadow traffic"], _OPS),
     **dict.fromkeys(["Thread", "RPC", "Checkpoint"], _OPS),
     **dict.fromkeys(["Cache-ram", "Slot", "Unified KV pool", "Context size"], _LLAMA_CPP),
-    **dict.fromkeys(["AFD", "DPLB", "Linear attention"], _NOT_TAUGHT),
+    "Linear attention": _NOT_TAUGHT,
     "RoPE scaling": _NOT_TAUGHT,
     **dict.fromkeys(["Fixed state", "CoT", "Function call"], _NOT_TAUGHT),
     "Reasoning parser": _NOT_TAUGHT,
     "Serving": "the subject of the whole book rather than a term of it",
     "Key vLLM flags": "a list of flags, each one an entry under its own name",
     "CUDA out of memory": "an error message; the memory budget it points to is an entry (KV pool)",
-    "QPM": "queries per minute; the book states rates per second (QPS, RPS)",
-    "Ramp-up test": "a load test whose load rises in steps; the glossary has load test",
     **dict.fromkeys(
         ["Property testing", "State snapshot", "The same mechanism in vLLM and SGLang"], _BUILD
     ),
@@ -118,6 +116,69 @@ def test_no_omitted_term_has_an_entry_after_all():
         }
     )
     assert covered == [], f"in the glossary now, so take them off OMITTED: {covered}"
+
+
+def glossary_entries(text: str) -> list[list[str]]:
+    """Every entry of the glossary as its names (the first, then its aliases), as written."""
+    entries: list[list[str]] = []
+    fresh = True
+    for line in glossary_body(text).splitlines():
+        if not line.strip():
+            fresh = True
+        elif not line[0].isspace():
+            if fresh:
+                entries.append([])
+            entries[-1].append(line.strip())
+            fresh = False
+    return entries
+
+
+def flatten(text: str) -> str:
+    """Lower case, with runs of spaces, hyphens and underscores (line breaks too) as one space."""
+    return re.sub(r"[\s_\-‑]+", " ", text.lower())
+
+
+def unmentioned_seed_terms() -> list[str]:
+    """Seed terms in the glossary whose names (or their entry's) no chapter page uses."""
+    pages = " ".join(flatten(p.read_text()) for p in chapter_page_files())
+    by_name = {
+        normalize(name): entry
+        for entry in glossary_entries((BOOK / "glossary.md").read_text())
+        for name in entry
+    }
+    missing = []
+    for _, _, names in seed_entries():
+        if names[0] in OMITTED:
+            continue
+        candidates = set(names)
+        for name in names:
+            candidates.update(by_name.get(normalize(name), []))
+        patterns = [
+            r"(?<![\w])" + re.escape(flatten(n).strip()) + r"s?(?![\w])" for n in candidates
+        ]
+        if not any(re.search(pattern, pages) for pattern in patterns):
+            missing.append(names[0])
+    return missing
+
+
+def chapter_page_files() -> list[pathlib.Path]:
+    """Every page of the numbered chapters (not the preface, glossary or guides)."""
+    return [p for p in sorted(BOOK.glob("*.md")) if re.match(r"(0[1-9]|1\d)_", p.name)]
+
+
+def test_every_seed_term_is_used_on_a_chapter_page():
+    """A glossary entry is a term some chapter uses, so every seed term the book covers is
+    named (by one of its names) on a chapter page, not only in the glossary."""
+    missing = unmentioned_seed_terms()
+    assert missing == [], f"seed terms no chapter page names: {missing}"
+
+
+def test_new_serving_terms_are_checked():
+    """The benchmarking and load-balancing seed terms are among those the two tests above
+    cover (none of them is omitted)."""
+    firsts = {names[0] for _, _, names in seed_entries()}
+    for term in ("AFD", "DPLB", "QPM", "TP90", "Ramp-up test", "Concurrency sweep", "TBO"):
+        assert term in firsts and term not in OMITTED, term
 
 
 # --- cross-references -------------------------------------------------------------------

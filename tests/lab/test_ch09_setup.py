@@ -68,3 +68,9 @@ def test_sweep_run_has_the_sweep_shape(lab):
     run = lab.sweep_run(math.inf, seed=3, n=4)
     assert len(run.metrics) == 4
     assert all(m.num_output_tokens == 8 for m in run.metrics)
+
+
+def test_sweep_runs_default_to_the_sweep_size(lab):
+    assert ch09_setup.SWEEP_REQUESTS >= 30  # the page states its medians rest on them
+    run = lab.sweep_run(math.inf, seed=5)
+    assert len(run.metrics) == ch09_setup.SWEEP_REQUESTS

@@ -1,0 +1,108 @@
+"""Ctrl-C during a disaggregated step whose prompt's KV is still on its way.
+
+The engine hands the prefill rank a prompt's last chunk and, before the decode rank answers,
+the step is interrupted and taken back. The prefill rank still runs that chunk and sends its
+KV (it runs every command it was sent), so the transfer lands late, after the scheduler has
+taken the step back. If the request's blocks went back to the pool then, another request
+could be given them and the late transfer would overwrite its KV on the decode rank.
+
+Here the prefill rank is stopped (SIGSTOP) while the step is interrupted, so its transfer is
+as slow as we like; the pool has just the blocks of the two requests, so a block given back
+is the next one a growing request takes. A request already decoding then runs to the end;
+its tokens must be those of a fresh one-process engine, no block may stay held, and the
+engine must serve a new request exactly as a fresh engine does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from minillm import LLM, SamplingParams
+from minillm.distributed.disaggregation import DECODE_RANK, PREFILL_RANK
+from tests.faults.invariants import leftovers
+
+KV_TRANSFER = {"kv_connector": "TorchDistributedConnector"}
+BLOCK = 16
+# a request that decodes past its first block while the late transfer is on its way
+DECODER = list(range(5, 15))  # 10 prompt tokens: block 1 holds positions 0-15
+DECODER_PARAMS = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
+# the interrupted prompt: two blocks
+VICTIM = list(range(40, 72))
+PROBE = list(range(100, 120))
+PROBE_PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+OPTIONS = dict(dtype="float32", max_model_len=3 * BLOCK, block_size=BLOCK, num_gpu_blocks=3)
+
+
+def reference(prompt: list[int], params: SamplingParams) -> list[int]:
+    llm = LLM(**OPTIONS)
+    engine = llm.engine
+    engine.add_request("ref", prompt, params)
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = list(out.outputs[0].token_ids)
+    return tokens
+
+
+def run_to_end(engine, request_id: str, max_steps: int = 2000) -> list[int]:
+    tokens = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return tokens
+        for out in engine.step():
+            if out.request_id == request_id:
+                tokens = list(out.outputs[0].token_ids)
+    raise AssertionError(f"the engine did not finish within {max_steps} steps")
+
+
+@pytest.mark.slow
+def test_ctrl_c_with_a_kv_transfer_in_flight_holds_its_blocks_until_it_lands(monkeypatch):
+    expected_decoder = reference(DECODER, DECODER_PARAMS)
+    expected_probe = reference(PROBE, PROBE_PARAMS)
+    llm = LLM(**OPTIONS, kv_transfer_config=KV_TRANSFER)
+    try:
+        engine = llm.engine
+        executor = engine.executor
+        engine.add_request("decoder", DECODER, DECODER_PARAMS)
+        decoder = engine.scheduler.requests["decoder"]
+        while decoder.num_output_tokens < 2:
+            engine.step()  # its KV is on the decode rank; it decodes in its first block
+
+        # the next decode step answers with Ctrl-C, as if the signal came while it ran
+        real_receive = executor._receive
+        armed = {"on": False}
+
+        def receive(rank, timeout_s):
+            if armed["on"] and rank == DECODE_RANK:
+                armed["on"] = False
+                raise KeyboardInterrupt
+            return real_receive(rank, timeout_s)
+
+        monkeypatch.setattr(executor, "_receive", receive)
+        prefill_rank = executor.processes[PREFILL_RANK]
+        os.kill(prefill_rank.pid, signal.SIGSTOP)  # the victim's transfer will be late
+        try:
+            engine.add_request("victim", VICTIM, SamplingParams(temperature=0, max_tokens=4))
+            armed["on"] = True
+            with pytest.raises(KeyboardInterrupt):
+                engine.step()  # the victim's only chunk goes to rank 0, then Ctrl-C
+            assert not armed["on"], "the step that was interrupted is the one armed"
+            engine.abort_request("victim")  # the caller gives up on it
+            # the decoder goes on decoding into its second block while the transfer is late
+            for _ in range(40):
+                engine.step()
+        finally:
+            os.kill(prefill_rank.pid, signal.SIGCONT)
+        tokens = run_to_end(engine, "decoder")
+        assert tokens == expected_decoder
+        assert leftovers(llm) == []
+        assert not engine.scheduler.finished_awaiting_kvs
+
+        engine.add_request("probe", PROBE, PROBE_PARAMS)
+        assert run_to_end(engine, "probe") == expected_probe
+        assert leftovers(llm) == []
+    finally:
+        llm.shutdown()
