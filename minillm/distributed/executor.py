@@ -11,6 +11,9 @@ plan to every rank (the scheduler runs once, here, and its output is broadcast t
 and returns the driver rank's sampled tokens. Prefill/decode disaggregation is the exception:
 there the engine hands the prefill rank its chunks without waiting for it, waits for the decode
 rank's step alone, and collects the prefill rank's answers as they come (`take_arrived`).
+Pipeline parallelism with batches in flight is the other: `submit_model` hands every rank a
+batch without waiting, and `collect_model` waits for the oldest batch's tokens, so that the
+first stage computes the next batch while the last one still computes the previous.
 
 No wait is unbounded: while it waits for an answer it watches every process, and a rank
 that raised or died makes it stop the others and raise `WorkerError` with the rank's
@@ -105,6 +108,10 @@ class MultiprocExecutor:
         self._first_tokens: dict[int, tuple[float, list]] = {}
         self._landed: set[int] = set()
         self._pending_finished: list[str] = []
+        # pipeline batches in flight: how many submitted batches no rank has answered yet, and
+        # the tokens of those read early (by `call`), oldest first
+        self._batches_owed = 0
+        self._batches_answered: collections.deque = collections.deque()
         # 1 while a rank waits in a collective (set by the rank, read here when a step is late)
         self.wait_flags = context.Array("b", spec.world_size, lock=False)
         for rank in range(spec.world_size):
@@ -143,6 +150,23 @@ class MultiprocExecutor:
             return self._execute_disaggregated(plan)
         self._broadcast("execute_model", plan)
         return self._receive_all()[self.driver_rank]
+
+    def submit_model(self, plan: SchedulerOutput) -> None:
+        """Pipeline batches in flight: hand every rank the batch and return at once; each rank
+        runs its stage of the batches in the order they were handed."""
+        self._broadcast("execute_model", plan)
+        self._batches_owed += 1
+
+    def collect_model(self) -> dict[str, SampledToken]:
+        """The sampled tokens of the oldest batch submitted and not yet collected."""
+        if not self._batches_answered:
+            self._batches_answered.append(self._receive_all()[self.driver_rank])
+            self._batches_owed -= 1
+        return self._batches_answered.popleft()
+
+    def batches_in_flight(self) -> int:
+        """Batches submitted whose tokens have not been collected."""
+        return self._batches_owed + len(self._batches_answered)
 
     def _execute_disaggregated(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
         """Hand the prefill chunks to rank 0 without waiting for them, run the decode step on
@@ -219,6 +243,9 @@ class MultiprocExecutor:
     def call(self, method: str, *args) -> list:
         """Run a `Worker` method on every rank; its results in rank order."""
         self._take_prefill_answers(wait_for_all=True)  # disaggregation: rank 0's steps first
+        while self._batches_owed:  # pipeline batches in flight: their answers come first
+            self._batches_answered.append(self._receive_all()[self.driver_rank])
+            self._batches_owed -= 1
         self._broadcast(method, *args)
         return self._receive_all()
 
@@ -239,16 +266,16 @@ class MultiprocExecutor:
             self._fail(f"rank {rank} cannot be reached ({error}, exit code {code})")
 
     def _receive_all(self) -> list:
-        """Every rank's answer to the command just sent, within step_timeout_s."""
+        """Every rank's answer to the oldest command not answered, within step_timeout_s; none
+        is taken before all have come, so that a wait interrupted (Ctrl-C) loses none."""
         deadline = time.monotonic() + self.step_timeout_s
-        answers = []
         for rank in range(len(self.processes)):
             try:
-                answers.append(self._receive(rank, max(0.0, deadline - time.monotonic())))
+                self._await(rank, max(0.0, deadline - time.monotonic()))
             except _Late:
-                late = range(len(answers), len(self.processes))
+                late = range(rank, len(self.processes))
                 self._fail(self._stall_report([r for r in late if not self._answers[r]]))
-        return answers
+        return [self._answers[rank].popleft() for rank in range(len(self.processes))]
 
     def _stall_report(self, late: list[int]) -> str:
         """Which ranks did not answer in time, and which of them are waiting on the others."""
@@ -266,6 +293,11 @@ class MultiprocExecutor:
     def _receive(self, rank: int, timeout_s: float | None):
         """The answer of `rank`, while watching every process: a rank that reports an error
         or dies ends the wait (and all ranks) with WorkerError."""
+        self._await(rank, timeout_s)
+        return self._answers[rank].popleft()
+
+    def _await(self, rank: int, timeout_s: float | None) -> None:
+        """Wait until `rank` has an answer waiting (see `_receive`)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._answers[rank]:
             timeout = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
@@ -281,7 +313,6 @@ class MultiprocExecutor:
                     self._fail(f"rank {other} died (exit code {self._exit_code(other)})")
             if deadline is not None and time.monotonic() > deadline and not self._answers[rank]:
                 raise _Late
-        return self._answers[rank].popleft()
 
     def _recv(self, rank: int) -> tuple[str, object]:
         try:
