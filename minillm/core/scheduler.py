@@ -653,16 +653,18 @@ class Scheduler:
         stages), or return None (changing nothing that matters) when there is none to plan.
 
         A request is in at most one batch in flight, so it needs no placeholder: its next
-        chunk is planned once its batch's tokens are processed. The batch takes at most
-        ceil(unfinished sequences / num_batches) sequences, so that the batches in flight
-        share the requests about equally. While a batch is in flight nothing is preempted
-        (as when planning ahead: the batch reads the blocks a preemption frees); a plan that
-        would have to preempt is None, and the engine waits for the oldest batch. With
-        nothing in flight this is `schedule` with the share limit.
+        chunk is planned once its batch's tokens are processed. The batch takes at most its
+        share of the sequences no batch in flight holds, ceil(free / batches still to plan),
+        so that the batches in flight share the requests about equally. While a batch is in
+        flight nothing is preempted (as when planning ahead: the batch reads the blocks a
+        preemption frees); a plan that would have to preempt is None, and the engine waits
+        for the oldest batch. With nothing in flight this is `schedule` with the share limit.
         """
-        unfinished = sum(r.num_seqs for r in self.running) + sum(r.num_seqs for r in self.waiting)
         self._busy_ids = set().union(*(plan.seq_ids() for plan in in_flight))
-        self._batch_seats = max(1, -(-unfinished // num_batches))
+        free = sum(r.num_seqs for r in self.running if r.request_id not in self._busy_ids)
+        free += sum(r.num_seqs for r in self.waiting)
+        # an equal share of the sequences no batch in flight holds, among the batches to come
+        self._batch_seats = max(1, -(-free // max(1, num_batches - len(in_flight))))
         self._planning_ahead = bool(in_flight)
         try:
             plan = self.schedule()

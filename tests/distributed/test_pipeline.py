@@ -168,3 +168,14 @@ def test_bad_batches_in_flight_options():
         EngineArgs(pipeline_parallel_size=2, pipeline_batches_in_flight=2, pipeline_micro_batches=2)
     with pytest.raises(ValueError, match="pipeline_batches_in_flight must be an int >= 1"):
         EngineArgs(pipeline_parallel_size=2, pipeline_batches_in_flight=0)
+
+
+@given(st.integers(1, 8), st.integers(1, 64))
+def test_bubble_formula_against_a_slot_by_slot_schedule(num_stages, num_items):
+    """(p - 1) / (n + p - 1), the formula chapter 8 sets the engine's measured bubble
+    against, equals the idle share of a schedule built slot by slot: stage s works on item j
+    (a micro-batch of a drained step, or a batch of a run kept in flight) in slot s + j."""
+    num_slots = num_items + num_stages - 1
+    busy = [[s <= slot < s + num_items for slot in range(num_slots)] for s in range(num_stages)]
+    idle = sum(not cell for row in busy for cell in row) / (num_stages * num_slots)
+    assert bubble_fraction(num_stages, num_items) == pytest.approx(idle)
