@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 from minillm.core.scheduler import SchedulerOutput
 from minillm.distributed.disaggregation import DECODE_RANK, PREFILL_RANK, split_plan
-from minillm.distributed.worker import WorkerSpec, worker_main
+from minillm.distributed.worker import StageFault, WorkerSpec, worker_main
 from minillm.outputs import SampledToken
 
 # the longest a rank may take to load and shard its model
@@ -53,6 +53,10 @@ EXIT_WAIT_S = 10.0  # how long a rank whose pipe closed may take to be reaped
 
 class WorkerError(RuntimeError):
     """A rank raised, died, or did not answer; the executor has stopped all ranks."""
+
+
+class StageError(RuntimeError):
+    """A pipeline stage raised on a step's batch; the ranks carry on with the next steps."""
 
 
 def start_method(device_type: str) -> str:
@@ -109,7 +113,7 @@ class MultiprocExecutor:
         self._landed: set[int] = set()
         self._pending_finished: list[str] = []
         # pipeline batches in flight: how many submitted batches no rank has answered yet, and
-        # the tokens of those read early (by `call`), oldest first
+        # the ranks' answers to those read early (by `call`, `execute_model`), oldest first
         self._batches_owed = 0
         self._batches_answered: collections.deque = collections.deque()
         # 1 while a rank waits in a collective (set by the rank, read here when a step is late)
@@ -148,8 +152,18 @@ class MultiprocExecutor:
         """Run one step on all ranks; the sampled token of every sampling sequence."""
         if self.spec.kv_transfer is not None:
             return self._execute_disaggregated(plan)
+        self._answer_batches_in_flight()  # the ranks run them first
         self._broadcast("execute_model", plan)
-        return self._receive_all()[self.driver_rank]
+        return self._step_answer(self._receive_all())
+
+    def _step_answer(self, answers: list) -> dict[str, SampledToken]:
+        """The driver's tokens, or StageError when a pipeline stage raised on the step."""
+        faults = [answer for answer in answers if isinstance(answer, StageFault)]
+        if faults:
+            raise StageError(
+                "; ".join(f"rank {f.rank}: {f.traceback.strip().splitlines()[-1]}" for f in faults)
+            )
+        return answers[self.driver_rank]
 
     def submit_model(self, plan: SchedulerOutput) -> None:
         """Pipeline batches in flight: hand every rank the batch and return at once; each rank
@@ -160,9 +174,15 @@ class MultiprocExecutor:
     def collect_model(self) -> dict[str, SampledToken]:
         """The sampled tokens of the oldest batch submitted and not yet collected."""
         if not self._batches_answered:
-            self._batches_answered.append(self._receive_all()[self.driver_rank])
+            self._batches_answered.append(self._receive_all())
             self._batches_owed -= 1
-        return self._batches_answered.popleft()
+        return self._step_answer(self._batches_answered.popleft())
+
+    def _answer_batches_in_flight(self) -> None:
+        """Read the answers of every batch in flight, for collect_model to hand out later."""
+        while self._batches_owed:
+            self._batches_answered.append(self._receive_all())
+            self._batches_owed -= 1
 
     def batches_in_flight(self) -> int:
         """Batches submitted whose tokens have not been collected."""
@@ -243,9 +263,7 @@ class MultiprocExecutor:
     def call(self, method: str, *args) -> list:
         """Run a `Worker` method on every rank; its results in rank order."""
         self._take_prefill_answers(wait_for_all=True)  # disaggregation: rank 0's steps first
-        while self._batches_owed:  # pipeline batches in flight: their answers come first
-            self._batches_answered.append(self._receive_all()[self.driver_rank])
-            self._batches_owed -= 1
+        self._answer_batches_in_flight()  # pipeline batches in flight: their answers first
         self._broadcast(method, *args)
         return self._receive_all()
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import traceback
 
 import torch
 from torch import nn
@@ -114,10 +115,13 @@ def run_stage(
     comm: Communicator,
     micro_batches: list[list[ScheduledRequest]],
     sends: list | None = None,
-) -> tuple[list[torch.Tensor], StageTiming]:
+) -> tuple[list[torch.Tensor], StageTiming, list[str]]:
     """Run this stage over every micro-batch: receive hidden states from the previous stage
     (or embed the tokens), run the stage's layers, send on (or compute the logits of the
-    sampling rows). Returns the last stage's logits per micro-batch, and the timing.
+    sampling rows). Returns the last stage's logits per micro-batch, the timing, and the
+    tracebacks of the micro-batches this stage raised on: such a micro-batch goes on as zeros
+    of its shape, so that the next stages and the steps after stay in step, and its logits
+    mean nothing (the engine runs its requests again, each alone).
 
     The step ends once the next stage has received every send, unless `sends` is given
     (batches in flight): the sends are then left in it, and this stage goes on to the next
@@ -127,7 +131,7 @@ def run_stage(
     first, last = rank == 0, rank == size - 1
     start = time.monotonic()
     busy_s = 0.0
-    logits = []
+    logits, faults = [], []
     in_flight = sends is not None
     sends = [] if sends is None else sends
     for batch in micro_batches:
@@ -138,10 +142,18 @@ def run_stage(
             shape = (len(inputs.input_ids), model.config.hidden_size)
             x = comm.recv(torch.empty(shape, dtype=runner.dtype, device=runner.device), rank - 1)
         began = time.monotonic()
-        x = stage_forward(model, inputs, x, runner.kv_caches)
-        if last:
-            logits.append(model.compute_logits(x[inputs.logits_indices]))
-        else:
+        try:
+            x = stage_forward(model, inputs, x, runner.kv_caches)
+            if last:
+                logits.append(model.compute_logits(x[inputs.logits_indices]))
+        except Exception:  # noqa: BLE001 - reported to the engine with the step's answer
+            faults.append(traceback.format_exc())
+            rows = len(inputs.logits_indices) if last else len(inputs.input_ids)
+            width = model.config.vocab_size if last else model.config.hidden_size
+            x = torch.zeros(rows, width, dtype=runner.dtype, device=runner.device)
+            if last:
+                logits.append(x)
+        if not last:
             if in_flight:  # at most one batch's hidden states on the way
                 busy_s += time.monotonic() - began
                 wait_sends(sends)
@@ -151,7 +163,7 @@ def run_stage(
     if not in_flight:
         wait_sends(sends)
     timing = StageTiming(len(micro_batches), busy_s, start, time.monotonic())
-    return logits, timing
+    return logits, timing, faults
 
 
 def wait_sends(sends: list) -> None:

@@ -84,6 +84,14 @@ class StepRecord:
     expert_load: dict[int, list[int]] | None = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageFault:
+    """A pipeline stage's answer to a step it raised on (the ranks stay in step)."""
+
+    rank: int
+    traceback: str
+
+
 class Worker:
     """The model shard, KV cache and sampler of one rank."""
 
@@ -122,10 +130,10 @@ class Worker:
         rows = [chunk.sampling_seqs for chunk in scheduled if chunk.samples]
         if self.routing is not None:
             self.routing.reset_load()
-        timing = None
+        timing, faults = None, []
         if self.spec.parallel.pipeline_parallel_size > 1:
             micro_batches = split_micro_batches(scheduled, self.spec.num_micro_batches)
-            logits, timing = run_stage(runner, self.comm, micro_batches, self.sends)
+            logits, timing, faults = run_stage(runner, self.comm, micro_batches, self.sends)
             logits = torch.cat(logits) if logits else None
         else:
             inputs = prepare_inputs(scheduled, runner.block_size, runner.device)
@@ -141,6 +149,8 @@ class Worker:
                 None if self.routing is None else self.routing.load_lists(),
             )
         )
+        if faults:
+            return StageFault(self.rank, "\n".join(faults))
         if not self.is_driver:
             return None
         return runner.sample(logits, rows) if rows else {}

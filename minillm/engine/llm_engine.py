@@ -29,7 +29,7 @@ from minillm.core.scheduler import (
     Scheduler,
     SchedulerOutput,
 )
-from minillm.distributed.executor import MultiprocExecutor, WorkerError
+from minillm.distributed.executor import MultiprocExecutor, StageError, WorkerError
 from minillm.distributed.parallel_state import free_port
 from minillm.distributed.pipeline import run_bubble
 from minillm.distributed.worker import StepRecord, WorkerSpec
@@ -530,7 +530,9 @@ class LLMEngine:
         while a batch that reads them is in flight go back to the pool only when it comes
         back (`Scheduler.forward_done`).
 
-        A batch that raises in a stage stops the ranks (`WorkerError`). An interruption
+        A batch that a stage raises on (`StageError`) is run again one request at a time,
+        as a step that raises is without the option (`_run_one_by_one`); a rank that dies or
+        stalls stops them all (`WorkerError`). An interruption
         (Ctrl-C) or an error while planning or processing takes back every batch not yet
         processed: once the ranks have answered them all, their requests recompute later.
         """
@@ -538,9 +540,14 @@ class LLMEngine:
         try:
             self._fill_pipeline()
             plan = self._batches.popleft()
-            sampled = self.executor.collect_model()
+            try:
+                sampled, failed = self.executor.collect_model(), []
+            except StageError:
+                # a stage raised on this batch: run its requests again, each alone (after the
+                # batches in flight), to find the ones it fails on; the others carry on
+                sampled, failed = self._run_one_by_one(plan, None)
             self.scheduler.forward_done(self._batches)
-            outputs = self._process(plan, sampled, [])
+            outputs = self._process(plan, sampled, failed)
             if self._batches and not self.scheduler.has_unfinished_requests():
                 # every request of the batches left finished or was aborted: take them in now,
                 # so that their blocks go back and the engine is idle
@@ -570,7 +577,10 @@ class LLMEngine:
         outputs = []
         while self._batches:
             plan = self._batches.popleft()
-            sampled = self.executor.collect_model()
+            try:
+                sampled = self.executor.collect_model()
+            except StageError:
+                sampled = {}  # nobody is left to take its tokens
             self.scheduler.forward_done(self._batches)
             outputs += self._process(plan, sampled, [])
         return outputs
@@ -582,7 +592,10 @@ class LLMEngine:
         plans = list(self._batches)
         self._batches.clear()
         for _ in range(self.executor.batches_in_flight()):
-            self.executor.collect_model()
+            try:
+                self.executor.collect_model()
+            except StageError:
+                pass  # its requests recompute anyway
         if processing is not None:
             plans.insert(0, processing)
         self._rewind_generators(plans)

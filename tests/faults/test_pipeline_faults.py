@@ -140,3 +140,70 @@ def test_a_step_interrupted_with_batches_in_flight_loses_nothing(
             prompt, params, None
         )
     assert_clean(engine, env)
+
+
+POISON = 301  # a token id that only the refused request's prompt holds
+
+
+def refusing_stage_forward(monkeypatch, when):
+    """The first stage raises on a micro-batch for which when(input ids) holds; worker
+    processes forked after this inherit it."""
+    from minillm.distributed import pipeline
+
+    forward = pipeline.stage_forward
+
+    def faulty(model, inputs, x, kv_caches):
+        if x is None and when(inputs.input_ids.tolist()):
+            raise RuntimeError("injected stage fault")
+        return forward(model, inputs, x, kv_caches)
+
+    monkeypatch.setattr(pipeline, "stage_forward", faulty)
+
+
+def pipelined_engine(env, options) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=env.model_dir, **BASE, pipeline_parallel_size=2, **options))
+
+
+MODES = [dict(pipeline_micro_batches=2), dict(pipeline_batches_in_flight=2)]
+
+
+@pytest.mark.parametrize("options", MODES, ids=["drained", "in_flight"])
+def test_a_request_a_stage_always_refuses_fails_alone(env, monkeypatch, options):
+    refusing_stage_forward(monkeypatch, lambda ids: POISON in ids)
+    engine = pipelined_engine(env, options)
+    try:
+        requests = {**REQUESTS, "bad": ([7, POISON, 9, 11], GREEDY)}
+        final = run_all(engine, requests)
+        assert "injected stage fault" in final["bad"].error
+        for request_id, (prompt, params) in REQUESTS.items():
+            assert final[request_id].error is None
+            assert [list(c.token_ids) for c in final[request_id].outputs] == env.solo(
+                prompt, params, None
+            )
+        if options.get("pipeline_batches_in_flight"):
+            assert not engine._batches and engine.executor.batches_in_flight() == 0
+        assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("options", MODES, ids=["drained", "in_flight"])
+def test_a_one_off_stage_fault_costs_no_request_anything(env, monkeypatch, options):
+    calls = [0]
+
+    def third_batch(ids):  # counted in the first stage's process
+        calls[0] += 1
+        return calls[0] == 3
+
+    refusing_stage_forward(monkeypatch, third_batch)
+    engine = pipelined_engine(env, options)
+    try:
+        final = run_all(engine, REQUESTS)
+        for request_id, (prompt, params) in REQUESTS.items():
+            assert final[request_id].error is None
+            assert [list(c.token_ids) for c in final[request_id].outputs] == env.solo(
+                prompt, params, None
+            )
+        assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
+    finally:
+        engine.shutdown()
