@@ -34,6 +34,12 @@ with a placeholder (`PLACEHOLDER_TOKEN_ID`) for every token it is still sampling
 there; `update_from_output` then puts the sampled tokens in the placeholders' place. While a
 forward runs, the blocks of the requests it reads are not given back (`forward_done`).
 
+Pipeline parallelism with batches in flight (`EngineArgs.pipeline_batches_in_flight`, vLLM
+V1's batch queue) plans a batch while earlier ones are still in later stages:
+`schedule_beside` plans from the requests that are in none of the batches in flight, so a
+request is in at most one of them and needs no placeholder, and it takes at most an equal
+share of the sequences, so that the batches in flight are about the same size.
+
 Prefill/decode disaggregation (`remote_prefill=True`) plans for a decode instance whose
 prompts run elsewhere: a prompt's last chunk samples its first token on the prefill instance,
 which then sends the request's KV over. After that step the request waits, holding its blocks,
@@ -237,8 +243,12 @@ class Scheduler:
         # async scheduling: the sequences whose blocks the forward in flight reads, and the
         # blocks of those among them that finished since, given back by forward_done
         self.in_flight_ids: set[str] = set()
-        self.held_blocks: list[list[KVCacheBlock]] = []
+        self.held_blocks: list[tuple[str, list[KVCacheBlock]]] = []
         self._planning_ahead = False
+        # pipeline batches in flight: the sequences the plan being made leaves out (they are in
+        # a batch in flight), and the most sequences it takes (None: no limit)
+        self._busy_ids: set[str] = set()
+        self._batch_seats: int | None = None
         # disaggregation: prompts' last chunks sample on the prefill instance, whose KV and
         # first token arrive later (update_from_remote_kvs); the sequences waiting for theirs,
         # and the finished (aborted) ones whose blocks a transfer still writes into
@@ -283,9 +293,16 @@ class Scheduler:
 
         Returns the budget left over.
         """
-        # running[:len(output.scheduled)] are the requests planned so far, in order
-        while len(output.scheduled) < len(self.running) and token_budget > 0:
-            request = self.running[len(output.scheduled)]
+        # running[:len(output.scheduled) + skipped] are the requests planned so far, in order,
+        # and those skipped because a batch in flight holds them (there is then no preemption)
+        skipped = 0
+        while len(output.scheduled) + skipped < len(self.running) and token_budget > 0:
+            request = self.running[len(output.scheduled) + skipped]
+            if request.request_id in self._busy_ids:
+                skipped += 1
+                continue
+            if self._batch_full(output, request):
+                break
             num_new_tokens = min(
                 request.num_tokens - request.num_computed_tokens + self._lookahead(request),
                 token_budget,
@@ -392,6 +409,8 @@ class Scheduler:
                 break
             if num_seats_taken + request.num_seqs > self.max_num_seqs:
                 break
+            if self._batch_full(output, request):
+                break
             lora = request.lora_request
             if (
                 self.max_loras is not None
@@ -419,6 +438,13 @@ class Scheduler:
             output.num_batched_tokens += num_new_tokens
             num_seats_taken += request.num_seqs
             token_budget -= num_new_tokens
+
+    def _batch_full(self, output: SchedulerOutput, request: Request) -> bool:
+        """Pipeline batches in flight: the plan holds its share of the sequences already."""
+        if self._batch_seats is None or not output.scheduled:
+            return False
+        planned = sum(scheduled.request.num_seqs for scheduled in output.scheduled)
+        return planned + request.num_seqs > self._batch_seats
 
     def _fork(self, output: SchedulerOutput) -> None:
         """n > 1: the prompt is computed once; the other completions fork from it in the step
@@ -625,6 +651,43 @@ class Scheduler:
             del self.requests[request.request_id]
             self.finished_req_ids.append(request.request_id)
 
+    # pipeline batches in flight ---------------------------------------------------------------
+
+    def schedule_beside(
+        self, in_flight: Sequence[SchedulerOutput], num_batches: int
+    ) -> SchedulerOutput | None:
+        """Pipeline parallelism with `num_batches` batches in flight: plan a batch of the
+        requests that are in none of the batches `in_flight` (still in the pipeline's
+        stages), or return None (changing nothing that matters) when there is none to plan.
+
+        A request is in at most one batch in flight, so it needs no placeholder: its next
+        chunk is planned once its batch's tokens are processed. The batch takes at most its
+        share of the sequences no batch in flight holds, ceil(free / batches still to plan),
+        so that the batches in flight share the requests about equally. While a batch is in
+        flight nothing is preempted (as when planning ahead: the batch reads the blocks a
+        preemption frees); a plan that would have to preempt is None, and the engine waits
+        for the oldest batch. With nothing in flight this is `schedule` with the share limit.
+        """
+        self._busy_ids = set().union(*(plan.seq_ids() for plan in in_flight))
+        free = sum(r.num_seqs for r in self.running if r.request_id not in self._busy_ids)
+        free += sum(r.num_seqs for r in self.waiting)
+        # an equal share of the sequences no batch in flight holds, among the batches to come
+        self._batch_seats = max(1, -(-free // max(1, num_batches - len(in_flight))))
+        self._planning_ahead = bool(in_flight)
+        try:
+            plan = self.schedule()
+        except _WouldPreempt:
+            self.num_steps -= 1
+            return None
+        finally:
+            self._busy_ids, self._batch_seats, self._planning_ahead = set(), None, False
+        if in_flight and not plan.scheduled:
+            # nothing to plan beside the batches in flight: the finished ids wait for the next
+            self.num_steps -= 1
+            self.finished_req_ids = plan.finished_req_ids + self.finished_req_ids
+            return None
+        return plan
+
     # async scheduling -----------------------------------------------------------------------
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
@@ -709,18 +772,27 @@ class Scheduler:
                         self.running.append(seq)
         plan.advanced = False
 
-    def forward_done(self, in_flight: SchedulerOutput | None) -> None:
-        """A forward finished: the blocks held for it go back to the pool, and `in_flight`
-        (the step planned ahead and already started, or None) is the one read from now on."""
-        for blocks in self.held_blocks:
-            self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
-        self.held_blocks = []
-        self.in_flight_ids = set() if in_flight is None else in_flight.seq_ids()
+    def forward_done(self, in_flight: SchedulerOutput | Sequence[SchedulerOutput] | None) -> None:
+        """A forward finished: `in_flight` (the step planned ahead and already started, the
+        pipeline's batches still in flight, or None) is what is read from now on, and the
+        blocks held for a finished sequence that none of it reads go back to the pool."""
+        if in_flight is None:
+            in_flight = []
+        elif isinstance(in_flight, SchedulerOutput):
+            in_flight = [in_flight]
+        self.in_flight_ids = set().union(*(plan.seq_ids() for plan in in_flight))
+        still_held = []
+        for seq_id, blocks in self.held_blocks:
+            if seq_id in self.in_flight_ids:
+                still_held.append((seq_id, blocks))
+            else:
+                self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
+        self.held_blocks = still_held
 
     def _hold_blocks(self, request: Request) -> None:
         """A finished request that the forward in flight still reads: its blocks leave the
         KV-cache manager's tables (its id may be used again at once) but not the pool yet."""
-        self.held_blocks.append(self._take_blocks(request))
+        self.held_blocks.append((request.request_id, self._take_blocks(request)))
 
     def _take_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The request's blocks, out of the KV-cache manager's tables but not yet free."""

@@ -11,6 +11,9 @@ plan to every rank (the scheduler runs once, here, and its output is broadcast t
 and returns the driver rank's sampled tokens. Prefill/decode disaggregation is the exception:
 there the engine hands the prefill rank its chunks without waiting for it, waits for the decode
 rank's step alone, and collects the prefill rank's answers as they come (`take_arrived`).
+Pipeline parallelism with batches in flight is the other: `submit_model` hands every rank a
+batch without waiting, and `collect_model` waits for the oldest batch's tokens, so that the
+first stage computes the next batch while the last one still computes the previous.
 
 No wait is unbounded: while it waits for an answer it watches every process, and a rank
 that raised or died makes it stop the others and raise `WorkerError` with the rank's
@@ -35,7 +38,7 @@ import torch.multiprocessing as mp
 
 from minillm.core.scheduler import SchedulerOutput
 from minillm.distributed.disaggregation import DECODE_RANK, PREFILL_RANK, split_plan
-from minillm.distributed.worker import WorkerSpec, worker_main
+from minillm.distributed.worker import StageFault, WorkerSpec, worker_main
 from minillm.outputs import SampledToken
 
 # the longest a rank may take to load and shard its model
@@ -50,6 +53,10 @@ EXIT_WAIT_S = 10.0  # how long a rank whose pipe closed may take to be reaped
 
 class WorkerError(RuntimeError):
     """A rank raised, died, or did not answer; the executor has stopped all ranks."""
+
+
+class StageError(RuntimeError):
+    """A pipeline stage raised on a step's batch; the ranks carry on with the next steps."""
 
 
 def start_method(device_type: str) -> str:
@@ -111,6 +118,10 @@ class MultiprocExecutor:
         self._decode_owed = 0
         self._step_transfers: list[tuple[int, str]] = []
         self._cancelled: dict[int, str] = {}
+        # pipeline batches in flight: how many submitted batches no rank has answered yet, and
+        # the ranks' answers to those read early (by `call`, `execute_model`), oldest first
+        self._batches_owed = 0
+        self._batches_answered: collections.deque = collections.deque()
         # 1 while a rank waits in a collective (set by the rank, read here when a step is late)
         self.wait_flags = context.Array("b", spec.world_size, lock=False)
         for rank in range(spec.world_size):
@@ -147,8 +158,41 @@ class MultiprocExecutor:
         """Run one step on all ranks; the sampled token of every sampling sequence."""
         if self.spec.kv_transfer is not None:
             return self._execute_disaggregated(plan)
+        self._answer_batches_in_flight()  # the ranks run them first
         self._broadcast("execute_model", plan)
-        return self._receive_all()[self.driver_rank]
+        return self._step_answer(self._receive_all())
+
+    def _step_answer(self, answers: list) -> dict[str, SampledToken]:
+        """The driver's tokens, or StageError when a pipeline stage raised on the step."""
+        faults = [answer for answer in answers if isinstance(answer, StageFault)]
+        if faults:
+            raise StageError(
+                "; ".join(f"rank {f.rank}: {f.traceback.strip().splitlines()[-1]}" for f in faults)
+            )
+        return answers[self.driver_rank]
+
+    def submit_model(self, plan: SchedulerOutput) -> None:
+        """Pipeline batches in flight: hand every rank the batch and return at once; each rank
+        runs its stage of the batches in the order they were handed."""
+        self._broadcast("execute_model", plan)
+        self._batches_owed += 1
+
+    def collect_model(self) -> dict[str, SampledToken]:
+        """The sampled tokens of the oldest batch submitted and not yet collected."""
+        if not self._batches_answered:
+            self._batches_answered.append(self._receive_all())
+            self._batches_owed -= 1
+        return self._step_answer(self._batches_answered.popleft())
+
+    def _answer_batches_in_flight(self) -> None:
+        """Read the answers of every batch in flight, for collect_model to hand out later."""
+        while self._batches_owed:
+            self._batches_answered.append(self._receive_all())
+            self._batches_owed -= 1
+
+    def batches_in_flight(self) -> int:
+        """Batches submitted whose tokens have not been collected."""
+        return self._batches_owed + len(self._batches_answered)
 
     def _execute_disaggregated(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
         """Hand the prefill chunks to rank 0 without waiting for them, run the decode step on
@@ -260,6 +304,7 @@ class MultiprocExecutor:
     def call(self, method: str, *args) -> list:
         """Run a `Worker` method on every rank; its results in rank order."""
         self._take_prefill_answers(wait_for_all=True)  # disaggregation: rank 0's steps first
+        self._answer_batches_in_flight()  # pipeline batches in flight: their answers first
         self._broadcast(method, *args)
         return self._receive_all()
 
@@ -280,16 +325,16 @@ class MultiprocExecutor:
             self._fail(f"rank {rank} cannot be reached ({error}, exit code {code})")
 
     def _receive_all(self) -> list:
-        """Every rank's answer to the command just sent, within step_timeout_s."""
+        """Every rank's answer to the oldest command not answered, within step_timeout_s; none
+        is taken before all have come, so that a wait interrupted (Ctrl-C) loses none."""
         deadline = time.monotonic() + self.step_timeout_s
-        answers = []
         for rank in range(len(self.processes)):
             try:
-                answers.append(self._receive(rank, max(0.0, deadline - time.monotonic())))
+                self._await(rank, max(0.0, deadline - time.monotonic()))
             except _Late:
-                late = range(len(answers), len(self.processes))
+                late = range(rank, len(self.processes))
                 self._fail(self._stall_report([r for r in late if not self._answers[r]]))
-        return answers
+        return [self._answers[rank].popleft() for rank in range(len(self.processes))]
 
     def _stall_report(self, late: list[int]) -> str:
         """Which ranks did not answer in time, and which of them are waiting on the others."""
@@ -307,6 +352,11 @@ class MultiprocExecutor:
     def _receive(self, rank: int, timeout_s: float | None):
         """The answer of `rank`, while watching every process: a rank that reports an error
         or dies ends the wait (and all ranks) with WorkerError."""
+        self._await(rank, timeout_s)
+        return self._answers[rank].popleft()
+
+    def _await(self, rank: int, timeout_s: float | None) -> None:
+        """Wait until `rank` has an answer waiting (see `_receive`)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self._answers[rank]:
             timeout = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
@@ -322,7 +372,6 @@ class MultiprocExecutor:
                     self._fail(f"rank {other} died (exit code {self._exit_code(other)})")
             if deadline is not None and time.monotonic() > deadline and not self._answers[rank]:
                 raise _Late
-        return self._answers[rank].popleft()
 
     def _recv(self, rank: int) -> tuple[str, object]:
         try:

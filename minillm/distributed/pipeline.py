@@ -10,12 +10,20 @@ With equal micro-batches that each take t per stage, a step takes (m + p - 1) t 
 stage is busy m t: the idle share, the pipeline bubble, is (p - 1) / (m + p - 1) (GPipe:
 Huang et al., 2019). `run_stage` measures each stage's busy time so the bubble can be checked
 against that formula.
+
+That bubble recurs every step when each step drains the pipeline before the next begins. A
+serving engine can instead keep batches of different requests in flight across steps
+(`EngineArgs.pipeline_batches_in_flight`): each batch is one micro-batch, the first stage
+takes batch k + 1 while the second computes batch k, and over a run of n batches the pipeline
+fills and drains once, (p - 1) / (n + p - 1). `run_bubble` measures the idle share over a
+run of steps, whichever way they were run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import traceback
 
 import torch
 from torch import nn
@@ -91,20 +99,41 @@ def measured_bubble(step_timings: list[StageTiming]) -> float:
     return 1.0 - busy_s / (len(step_timings) * span_s)
 
 
+def run_bubble(stage_timings: list[list[StageTiming]]) -> float:
+    """The idle share of the stages over a run of steps (one list of step timings per stage):
+    1 - (time all stages computed) / (stages x the run's span, from the first start of any
+    stage to the last end)."""
+    timings = [t for stage in stage_timings for t in stage]
+    span_s = max(t.end_s for t in timings) - min(t.start_s for t in timings)
+    busy_s = sum(t.busy_s for t in timings)
+    return 1.0 - busy_s / (len(stage_timings) * span_s)
+
+
 @torch.inference_mode()
 def run_stage(
     runner: ModelRunner,
     comm: Communicator,
     micro_batches: list[list[ScheduledRequest]],
-) -> tuple[list[torch.Tensor], StageTiming]:
+    sends: list | None = None,
+) -> tuple[list[torch.Tensor], StageTiming, list[str]]:
     """Run this stage over every micro-batch: receive hidden states from the previous stage
     (or embed the tokens), run the stage's layers, send on (or compute the logits of the
-    sampling rows). Returns the last stage's logits per micro-batch, and the timing."""
+    sampling rows). Returns the last stage's logits per micro-batch, the timing, and the
+    tracebacks of the micro-batches this stage raised on: such a micro-batch goes on as zeros
+    of its shape, so that the next stages and the steps after stay in step, and its logits
+    mean nothing (the engine runs its requests again, each alone).
+
+    The step ends once the next stage has received every send, unless `sends` is given
+    (batches in flight): the sends are then left in it, and this stage goes on to the next
+    batch while the next stage finishes the previous one; the sends an earlier call left
+    there are waited for before this one sends its own."""
     model, rank, size = runner.model, comm.rank, comm.world_size
     first, last = rank == 0, rank == size - 1
     start = time.monotonic()
     busy_s = 0.0
-    sends, logits = [], []
+    logits, faults = [], []
+    in_flight = sends is not None
+    sends = [] if sends is None else sends
     for batch in micro_batches:
         inputs = prepare_inputs(batch, runner.block_size, runner.device)
         if first:
@@ -113,17 +142,36 @@ def run_stage(
             shape = (len(inputs.input_ids), model.config.hidden_size)
             x = comm.recv(torch.empty(shape, dtype=runner.dtype, device=runner.device), rank - 1)
         began = time.monotonic()
-        x = stage_forward(model, inputs, x, runner.kv_caches)
-        if last:
-            logits.append(model.compute_logits(x[inputs.logits_indices]))
-        else:
+        try:
+            x = stage_forward(model, inputs, x, runner.kv_caches)
+            if last:
+                logits.append(model.compute_logits(x[inputs.logits_indices]))
+        except Exception:  # noqa: BLE001 - reported to the engine with the step's answer
+            faults.append(traceback.format_exc())
+            rows = len(inputs.logits_indices) if last else len(inputs.input_ids)
+            width = model.config.vocab_size if last else model.config.hidden_size
+            x = torch.zeros(rows, width, dtype=runner.dtype, device=runner.device)
+            if last:
+                logits.append(x)
+        if not last:
+            if in_flight:  # at most one batch's hidden states on the way
+                busy_s += time.monotonic() - began
+                wait_sends(sends)
+                began = time.monotonic()
             sends.append((comm.send(x, rank + 1), x))
         busy_s += time.monotonic() - began
+    if not in_flight:
+        wait_sends(sends)
+    timing = StageTiming(len(micro_batches), busy_s, start, time.monotonic())
+    return logits, timing, faults
+
+
+def wait_sends(sends: list) -> None:
+    """Wait until the next stage has received every send in `sends`, and empty it."""
     with in_collective():  # the next stage may still be busy with an earlier micro-batch
         for work, _ in sends:
             work.wait()
-    timing = StageTiming(len(micro_batches), busy_s, start, time.monotonic())
-    return logits, timing
+    sends.clear()
 
 
 def stage_forward(model: LlamaForCausalLM, inputs, x: torch.Tensor | None, kv_caches):

@@ -58,6 +58,9 @@ class WorkerSpec:
     seed: int
     num_micro_batches: int  # pipeline parallelism: micro-batches per step (at most)
     port: int
+    # pipeline parallelism: batches kept in flight across steps, each one micro-batch (a
+    # stage does not wait for the next one to receive a batch before it takes the next)
+    batches_in_flight: bool = False
     # prefill/decode disaggregation: a prefill rank and a decode rank (minillm.distributed.
     # disaggregation) instead of model parallelism
     kv_transfer: KVTransferConfig | None = None
@@ -81,6 +84,14 @@ class StepRecord:
     expert_load: dict[int, list[int]] | None = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageFault:
+    """A pipeline stage's answer to a step it raised on (the ranks stay in step)."""
+
+    rank: int
+    traceback: str
+
+
 class Worker:
     """The model shard, KV cache and sampler of one rank."""
 
@@ -101,6 +112,9 @@ class Worker:
         self.runner = ModelRunner(model, Sampler(generator), spec.num_blocks, spec.block_size)
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=STEP_RECORDS)
         self.routing = model.model.routing  # None for a dense model
+        # pipeline batches in flight (one micro-batch each): the hidden states this stage sent
+        # that the next one may not have received yet; None: every step waits for its sends
+        self.sends: list | None = [] if spec.batches_in_flight else None
 
     @torch.inference_mode()
     def execute_model(self, plan: SchedulerOutput) -> dict[str, SampledToken] | None:
@@ -116,10 +130,10 @@ class Worker:
         rows = [chunk.sampling_seqs for chunk in scheduled if chunk.samples]
         if self.routing is not None:
             self.routing.reset_load()
-        timing = None
+        timing, faults = None, []
         if self.spec.parallel.pipeline_parallel_size > 1:
             micro_batches = split_micro_batches(scheduled, self.spec.num_micro_batches)
-            logits, timing = run_stage(runner, self.comm, micro_batches)
+            logits, timing, faults = run_stage(runner, self.comm, micro_batches, self.sends)
             logits = torch.cat(logits) if logits else None
         else:
             inputs = prepare_inputs(scheduled, runner.block_size, runner.device)
@@ -135,6 +149,8 @@ class Worker:
                 None if self.routing is None else self.routing.load_lists(),
             )
         )
+        if faults:
+            return StageFault(self.rank, "\n".join(faults))
         if not self.is_driver:
             return None
         return runner.sample(logits, rows) if rows else {}

@@ -100,6 +100,10 @@ class EngineArgs:
     pipeline_parallel_size: int = 1  # layers split into this many stages
     # micro-batches a step's batch is cut into for the pipeline; None: pipeline_parallel_size
     pipeline_micro_batches: int | None = None
+    # keep this many batches of different requests in flight across steps instead (vLLM V1
+    # keeps pipeline_parallel_size): a step's batch is one micro-batch, and the first stage
+    # takes the next batch while later stages finish the earlier ones (LLMEngine.step)
+    pipeline_batches_in_flight: int | None = None
     # a mixture-of-experts model's experts spread whole over the tensor-parallel ranks, tokens
     # sent to them with all-to-all (vLLM's option; minillm.distributed.expert_parallel)
     enable_expert_parallel: bool = False
@@ -184,6 +188,18 @@ class EngineArgs:
             if self.pipeline_parallel_size == 1:
                 raise ValueError(
                     "pipeline_micro_batches applies only with pipeline_parallel_size > 1"
+                )
+        if self.pipeline_batches_in_flight is not None:
+            _check_int("pipeline_batches_in_flight", self.pipeline_batches_in_flight, minimum=1)
+            if self.pipeline_parallel_size == 1:
+                raise ValueError(
+                    "pipeline_batches_in_flight applies only with pipeline_parallel_size > 1"
+                )
+            if self.pipeline_micro_batches is not None:
+                raise ValueError(
+                    "pipeline_micro_batches (each step cut and drained) and "
+                    "pipeline_batches_in_flight (batches kept in flight across steps) exclude "
+                    "each other"
                 )
         if self.kv_transfer_config is not None:
             self._check_kv_transfer()

@@ -29,8 +29,9 @@ from minillm.core.scheduler import (
     Scheduler,
     SchedulerOutput,
 )
-from minillm.distributed.executor import MultiprocExecutor, WorkerError
+from minillm.distributed.executor import MultiprocExecutor, StageError, WorkerError
 from minillm.distributed.parallel_state import free_port
+from minillm.distributed.pipeline import run_bubble
 from minillm.distributed.worker import StepRecord, WorkerSpec
 from minillm.engine.args import (
     EngineArgs,
@@ -164,9 +165,12 @@ class LLMEngine:
                     num_blocks=num_blocks,
                     block_size=args.block_size,
                     seed=args.seed,
-                    num_micro_batches=args.pipeline_micro_batches
-                    or parallel.pipeline_parallel_size,
+                    # batches in flight: each batch is one micro-batch
+                    num_micro_batches=1
+                    if args.pipeline_batches_in_flight
+                    else args.pipeline_micro_batches or parallel.pipeline_parallel_size,
                     port=free_port(),
+                    batches_in_flight=bool(args.pipeline_batches_in_flight),
                     kv_transfer=args.kv_transfer_config,
                 )
             )
@@ -210,6 +214,10 @@ class LLMEngine:
         self._plan_lengths: dict[int, dict[str, int]] = {}
         self._plan_generators: dict[int, dict | None] = {}
         self._previous_token_ids: dict[str, int] = {}  # the forward thread's last tokens
+        # pipeline parallelism: the batches handed to the stages whose tokens have not been
+        # processed, oldest first, and how many may be (None: each step drains the pipeline)
+        self.pipeline_batches_in_flight = args.pipeline_batches_in_flight
+        self._batches: collections.deque[SchedulerOutput] = collections.deque()
         if self.async_scheduling:
             self._forward_thread = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="minillm-forward"
@@ -399,6 +407,8 @@ class LLMEngine:
         """One iteration: schedule, run the model, update the requests, report progress."""
         if self.async_scheduling:
             return self._step_async()
+        if self.pipeline_batches_in_flight:
+            return self._step_pipelined()
         plan = self.scheduler.schedule()
         self._note_plan(plan)
         try:
@@ -515,6 +525,94 @@ class LLMEngine:
             return
         for request_id in self.executor.cancel_step():
             self.scheduler.hold_for_transfer(request_id)
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """One iteration with pipeline batches in flight (vLLM V1's batch queue, with
+        `pipeline_parallel_size` batches): fill the pipeline, then take in the oldest batch.
+
+        While fewer than `pipeline_batches_in_flight` batches are in the stages, plan one
+        more from the requests in none of them (`Scheduler.schedule_beside`) and hand it to
+        the ranks without waiting (`MultiprocExecutor.submit_model`). Then wait for the
+        oldest batch's tokens and process them, as a step without the option does; the next
+        step plans that batch's requests again. The first stage thus starts batch k + 1 as
+        soon as it has sent batch k's hidden states on, and the pipeline fills once rather
+        than every step. As with async scheduling, the blocks of a request that finishes
+        while a batch that reads them is in flight go back to the pool only when it comes
+        back (`Scheduler.forward_done`).
+
+        A batch that a stage raises on (`StageError`) is run again one request at a time,
+        as a step that raises is without the option (`_run_one_by_one`); a rank that dies or
+        stalls stops them all (`WorkerError`). An interruption
+        (Ctrl-C) or an error while planning or processing takes back every batch not yet
+        processed: once the ranks have answered them all, their requests recompute later.
+        """
+        plan = None
+        try:
+            self._fill_pipeline()
+            plan = self._batches.popleft()
+            try:
+                sampled, failed = self.executor.collect_model(), []
+            except StageError:
+                # a stage raised on this batch: run its requests again, each alone (after the
+                # batches in flight), to find the ones it fails on; the others carry on
+                sampled, failed = self._run_one_by_one(plan, None)
+            self.scheduler.forward_done(self._batches)
+            outputs = self._process(plan, sampled, failed)
+            if self._batches and not self.scheduler.has_unfinished_requests():
+                # every request of the batches left finished or was aborted: take them in now,
+                # so that their blocks go back and the engine is idle
+                outputs += self._drain_batches()
+            return outputs
+        except WorkerError:
+            raise
+        except BaseException:
+            self._requeue_batches(plan)
+            raise
+
+    def _fill_pipeline(self) -> None:
+        """Hand the ranks new batches until pipeline_batches_in_flight are in flight, or none
+        can be planned beside those in flight (with none in flight: always one, maybe empty)."""
+        while len(self._batches) < self.pipeline_batches_in_flight:
+            if self._batches and not self.scheduler.has_unfinished_requests():
+                return
+            plan = self.scheduler.schedule_beside(self._batches, self.pipeline_batches_in_flight)
+            if plan is None:
+                return
+            self._note_plan(plan)
+            self._batches.append(plan)
+            self.executor.submit_model(plan)
+
+    def _drain_batches(self) -> list[RequestOutput]:
+        """Take in every batch in flight, oldest first (their requests have all finished)."""
+        outputs = []
+        while self._batches:
+            plan = self._batches.popleft()
+            try:
+                sampled = self.executor.collect_model()
+            except StageError:
+                sampled = {}  # nobody is left to take its tokens
+            self.scheduler.forward_done(self._batches)
+            outputs += self._process(plan, sampled, [])
+        return outputs
+
+    def _requeue_batches(self, processing: SchedulerOutput | None) -> None:
+        """Interrupted with batches in flight: wait for the ranks to answer every batch handed
+        to them, then put back the batches not processed and the one being processed (it may
+        be half applied), latest first, so their requests recompute in their order."""
+        plans = list(self._batches)
+        self._batches.clear()
+        for _ in range(self.executor.batches_in_flight()):
+            try:
+                self.executor.collect_model()
+            except StageError:
+                pass  # its requests recompute anyway
+        if processing is not None:
+            plans.insert(0, processing)
+        self._rewind_generators(plans)
+        for plan in reversed(plans):
+            self.scheduler.requeue(plan)
+        self.scheduler.forward_done(None)
+        self._report_stranded()
 
     def _arrived_kvs(self) -> list:
         """Disaggregation: (sequence id, first token) of the requests whose KV has landed on
@@ -711,6 +809,16 @@ class LLMEngine:
         if self.parallel_config.pipeline_parallel_size == 1:
             raise ValueError("pipeline_stats needs an engine with pipeline_parallel_size > 1")
         return self.executor.call("step_records")
+
+    def pipeline_bubble(self) -> float:
+        """The stages' idle share since the last clear_parallel_stats, measured over the whole
+        run of steps (`pipeline.run_bubble`): the pipeline's fill and drain, and every gap in
+        which a stage waited for work."""
+        stages = self.pipeline_stats()
+        timings = [[record.timing for record in records if record.timing] for records in stages]
+        if not all(timings):
+            raise ValueError("no pipeline step ran since the statistics were cleared")
+        return run_bubble(timings)
 
     def clear_parallel_stats(self) -> None:
         if self.executor is not None:

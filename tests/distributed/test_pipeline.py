@@ -15,6 +15,7 @@ from minillm.distributed.pipeline import (
     StageTiming,
     bubble_fraction,
     measured_bubble,
+    run_bubble,
     split_micro_batches,
     stage_layers,
 )
@@ -93,3 +94,88 @@ def test_stages_record_micro_batches_and_the_hidden_states_they_pass(pp_engine):
         assert 0.0 <= bubble < 1.0
     # a step with several requests keeps both stages busy with two micro-batches
     assert any(record.timing.num_micro_batches == 2 for record in first)
+
+
+def test_run_bubble_of_batches_in_flight():
+    # two stages, three batches of 1 s each kept in flight: stage 0 works in [0, 3], stage 1
+    # in [1, 4]; the pipeline fills and drains once: (p - 1) / (n + p - 1) = 1/4
+    first = [StageTiming(1, 1.0, float(k), float(k + 1)) for k in range(3)]
+    last = [StageTiming(1, 1.0, float(k), float(k + 2)) for k in range(3)]
+    assert run_bubble([first, last]) == pytest.approx(bubble_fraction(2, 3))
+    # the same batches drained one step at a time: each step idles 1/2
+    drained = [
+        [StageTiming(1, 1.0, 2.0 * k, 2.0 * k + 1) for k in range(3)],
+        [StageTiming(1, 1.0, 2.0 * k, 2.0 * k + 2) for k in range(3)],
+    ]
+    assert run_bubble(drained) == pytest.approx(1 / 2)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(pipeline_micro_batches=2),  # each step cut in two and drained
+        dict(pipeline_batches_in_flight=2),  # two batches of other requests in flight
+        dict(pipeline_batches_in_flight=3),
+    ],
+    ids=["drained", "in_flight_2", "in_flight_3"],
+)
+def test_several_requests_on_two_stages_match_one_process(options, reference_outputs):
+    with LLM(
+        dtype="float32", pipeline_parallel_size=2, max_num_batched_tokens=32, **options
+    ) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == reference_outputs
+        engine = llm.engine
+        assert not engine._batches and not engine.scheduler.held_blocks
+        pool = engine.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_blocks
+
+
+def test_batches_in_flight_hold_other_requests(monkeypatch):
+    """Every batch handed to the stages holds requests that no batch still in flight holds,
+    and with four requests two batches are in flight at once, two requests each."""
+    from minillm.distributed.executor import MultiprocExecutor
+
+    in_flight: list[set[str]] = []
+    overlaps, depths = [], []
+    submit, collect = MultiprocExecutor.submit_model, MultiprocExecutor.collect_model
+
+    def watched_submit(self, plan):
+        ids = plan.seq_ids()
+        overlaps.extend(ids & other for other in in_flight)
+        in_flight.append(ids)
+        depths.append((len(in_flight), len(ids)))
+        return submit(self, plan)
+
+    def watched_collect(self):
+        in_flight.pop(0)
+        return collect(self)
+
+    monkeypatch.setattr(MultiprocExecutor, "submit_model", watched_submit)
+    monkeypatch.setattr(MultiprocExecutor, "collect_model", watched_collect)
+    with LLM(dtype="float32", pipeline_parallel_size=2, pipeline_batches_in_flight=2) as llm:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert not any(overlaps)
+    assert (2, 2) in depths  # a second batch of two requests beside the first
+
+
+def test_bad_batches_in_flight_options():
+    from minillm.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match="only with pipeline_parallel_size > 1"):
+        EngineArgs(pipeline_batches_in_flight=2)
+    with pytest.raises(ValueError, match="exclude each other"):
+        EngineArgs(pipeline_parallel_size=2, pipeline_batches_in_flight=2, pipeline_micro_batches=2)
+    with pytest.raises(ValueError, match="pipeline_batches_in_flight must be an int >= 1"):
+        EngineArgs(pipeline_parallel_size=2, pipeline_batches_in_flight=0)
+
+
+@given(st.integers(1, 8), st.integers(1, 64))
+def test_bubble_formula_against_a_slot_by_slot_schedule(num_stages, num_items):
+    """(p - 1) / (n + p - 1), the formula chapter 8 sets the engine's measured bubble
+    against, equals the idle share of a schedule built slot by slot: stage s works on item j
+    (a micro-batch of a drained step, or a batch of a run kept in flight) in slot s + j."""
+    num_slots = num_items + num_stages - 1
+    busy = [[s <= slot < s + num_items for slot in range(num_slots)] for s in range(num_stages)]
+    idle = sum(not cell for row in busy for cell in row) / (num_stages * num_slots)
+    assert bubble_fraction(num_stages, num_items) == pytest.approx(idle)

@@ -1,0 +1,197 @@
+"""The bubble minillm's pipeline actually has: each step drained, or batches in flight.
+
+Two engines of two stages (`pipeline_parallel_size=2`) serve the same greedy requests: one
+cuts every step into two micro-batches and drains the pipeline before the next step
+(`pipeline_micro_batches=2`), the other keeps two batches of different requests in flight
+across steps (`pipeline_batches_in_flight=2`). `measure_bubble` runs them in turns (the
+order alternates every repeat, after a warm-up run each), and for every run reads the
+stages' timings (`LLMEngine.pipeline_stats`) and measures the idle share of the stages over
+the whole run (`pipeline.run_bubble`). Each is set against the formula for what it does:
+
+- drained: every step fills and drains a pipeline of m micro-batches, (p - 1) / (m + p - 1);
+- in flight: the run's n batches fill and drain it once, (p - 1) / (n + p - 1).
+
+The formula counts only the stages' computation. The measured share also holds everything
+else a stage waits for: the engine processing one batch's tokens and planning the next,
+pickling plans to the worker processes, the hidden states crossing between processes, and,
+on a shared machine, other processes holding the cores. It also checks that both engines
+give the one-process engine's tokens. Speed is measured, never asserted.
+
+On a machine with fewer free cores than processes the stages cannot compute at the same
+time, and the bubble measures the machine more than the schedule. `stage_seconds` then
+stands in for a device: every micro-batch's forward on every stage also waits that long,
+as a host waits for a GPU's kernels, which needs no core, so the stages overlap as they
+would on their own devices.
+
+    python -m minillm.lab.pipeline_bench --json benchmarks/results/pipeline_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+
+import torch
+
+from minillm.distributed import pipeline
+from minillm.distributed.pipeline import bubble_fraction, measured_bubble
+from minillm.llm import LLM
+from minillm.sampling_params import SamplingParams
+
+# the prompts and length of the chapter's two-stage runs
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n",
+    "class Stack:\n    def push(self, x):",
+    "for i in range(10):",
+]
+MAX_TOKENS = 24
+MODES = {
+    "drained": {"pipeline_micro_batches": 2},
+    "in_flight": {"pipeline_batches_in_flight": 2},
+}
+
+
+def _run(llm: LLM, params: SamplingParams) -> dict:
+    """One timed generate(): tokens, time, and the stages' timings of its steps."""
+    engine = llm.engine
+    engine.clear_parallel_stats()
+    start = time.perf_counter()
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    stages = [[r.timing for r in records if r.timing] for records in engine.pipeline_stats()]
+    steps = list(zip(*stages, strict=True))
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "seconds": seconds,
+        "bubble": engine.pipeline_bubble(),
+        "steps": len(steps),
+        "micro_batches": sum(t.num_micro_batches for t in stages[0]),
+        "median_step_bubble": statistics.median(measured_bubble(list(s)) for s in steps),
+        "busy_s_per_stage": [sum(t.busy_s for t in stage) for stage in stages],
+    }
+
+
+@contextlib.contextmanager
+def device_stand_in(stage_seconds: float | None):
+    """Every stage's forward over a micro-batch also waits stage_seconds (None: nothing
+    changes). Worker processes forked inside the block inherit it."""
+    if stage_seconds is None:
+        yield
+        return
+    forward = pipeline.stage_forward
+
+    def waiting_forward(*args):
+        x = forward(*args)
+        time.sleep(stage_seconds)
+        return x
+
+    pipeline.stage_forward = waiting_forward
+    try:
+        yield
+    finally:
+        pipeline.stage_forward = forward
+
+
+def measure_bubble(
+    repeats: int = 5, max_tokens: int = MAX_TOKENS, stage_seconds: float | None = None
+) -> dict:
+    """Both engines, `repeats` interleaved runs each: per mode the runs' bubbles, their
+    median and range, the formula, and whether the tokens equal one process's."""
+    with device_stand_in(stage_seconds):
+        return _measure(repeats, max_tokens) | {"stage_seconds": stage_seconds}
+
+
+def _measure(repeats: int, max_tokens: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(dtype="float32") as one:
+        outputs = one.generate(PROMPTS, params, use_tqdm=False)
+        reference = [list(o.outputs[0].token_ids) for o in outputs]
+    engines = {
+        mode: LLM(dtype="float32", pipeline_parallel_size=2, **options)
+        for mode, options in MODES.items()
+    }
+    try:
+        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        for llm in engines.values():
+            llm.generate(PROMPTS, params, use_tqdm=False)  # warm-up
+        order = list(MODES)
+        for repeat in range(repeats):
+            for mode in order if repeat % 2 == 0 else order[::-1]:
+                runs[mode].append(_run(engines[mode], params))
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    result = {"stages": 2, "repeats": repeats, "requests": len(PROMPTS), "max_tokens": max_tokens}
+    for mode, mode_runs in runs.items():
+        bubbles = [run["bubble"] for run in mode_runs]
+        batches = mode_runs[0]["micro_batches"]
+        formula = bubble_fraction(2, 2 if mode == "drained" else batches)
+        result[mode] = {
+            "options": MODES[mode],
+            "formula": formula,
+            "formula_reads": "(p-1)/(m+p-1), m=2 per step"
+            if mode == "drained"
+            else f"(p-1)/(n+p-1), n={batches} batches in the run",
+            "bubble_median": statistics.median(bubbles),
+            "bubble_min": min(bubbles),
+            "bubble_max": max(bubbles),
+            "bubbles": bubbles,
+            "median_step_bubble": statistics.median(r["median_step_bubble"] for r in mode_runs),
+            "steps": mode_runs[0]["steps"],
+            "micro_batches": batches,
+            "seconds_median": statistics.median(r["seconds"] for r in mode_runs),
+            "seconds": [r["seconds"] for r in mode_runs],
+            "busy_s_per_stage_median": [
+                statistics.median(r["busy_s_per_stage"][s] for r in mode_runs) for s in range(2)
+            ],
+            "tokens_equal_one_process": all(r["tokens"] == reference for r in mode_runs),
+        }
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--stage-ms", type=float, default=20.0, help="the device stand-in's wait per forward"
+    )
+    parser.add_argument("--json", type=pathlib.Path, help="write the results here")
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    measured = {
+        "compute": measure_bubble(args.repeats),
+        "device_stand_in": measure_bubble(args.repeats, stage_seconds=args.stage_ms / 1e3),
+    }
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "note": "measured on a shared machine under heavy load from other work (2 cores, load "
+        "average above); times and the compute bubbles swing with it",
+        **measured,
+    }
+    for kind, mode in ((kind, mode) for kind in measured for mode in MODES):
+        r = result[kind][mode]
+        print(
+            f"{kind}, {mode}: bubble {r['bubble_median']:.3f} ({r['bubble_min']:.3f}-"
+            f"{r['bubble_max']:.3f}) against {r['formula']:.3f} {r['formula_reads']}; "
+            f"{r['seconds_median']:.2f} s; tokens equal one process: "
+            f"{r['tokens_equal_one_process']}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Faults against a pipeline-parallel engine that keeps batches in flight across steps
+(`pipeline_batches_in_flight`): an abort of a request whose batch is still in the stages,
+Ctrl-C while the engine waits for a batch, and an exception or Ctrl-C while a batch is
+planned or processed. Each ends with the other requests' exact tokens, nothing held
+(`invariants.leftovers`, and no batch in flight) and a probe request served as a fresh
+engine serves it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minillm.distributed.executor import MultiprocExecutor
+from minillm.engine.args import EngineArgs
+from minillm.engine.llm_engine import LLMEngine
+from minillm.sampling_params import SamplingParams
+from tests.engine.tiny_llama import build_tiny_llama
+from tests.faults.invariants import assert_healthy
+from tests.faults.scenarios import BASE, PROBE_PARAMS, PROBE_PROMPT, make_env
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+REQUESTS = {
+    "a": ([5, 17, 42, 9, 77], GREEDY),
+    "b": (list(range(20, 44)), GREEDY),
+    "c": ([8, 8, 120, 33], SamplingParams(temperature=0, max_tokens=3)),
+    "d": ([3, 1, 4, 1, 5, 9, 2, 6], GREEDY),
+}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return make_env(build_tiny_llama(tmp_path_factory.mktemp("pipeline_faults") / "model"))
+
+
+@pytest.fixture
+def engine(env):
+    engine = LLMEngine(
+        EngineArgs(
+            model=env.model_dir, **BASE, pipeline_parallel_size=2, pipeline_batches_in_flight=2
+        )
+    )
+    yield engine
+    engine.shutdown()
+
+
+def run_all(engine: LLMEngine, requests: dict, interrupts: tuple = (), on_step=None) -> dict:
+    """Queue the requests, step until idle (stepping again after an interrupt); the final
+    output of each."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    final = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            return final
+        try:
+            outputs = engine.step()
+        except interrupts:
+            continue
+        final.update((o.request_id, o) for o in outputs if o.finished)
+        if on_step is not None:
+            on_step()
+    raise AssertionError("the engine never became idle")
+
+
+def assert_clean(engine: LLMEngine, env) -> None:
+    assert not engine._batches and engine.executor.batches_in_flight() == 0
+    assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
+
+
+def test_abort_of_a_request_whose_batch_is_in_flight(engine, env):
+    aborted = []
+
+    def abort_b_in_flight():
+        if not aborted and any("b" in plan.seq_ids() for plan in engine._batches):
+            engine.abort_request("b")
+            aborted.append(True)
+
+    final = run_all(engine, REQUESTS, on_step=abort_b_in_flight)
+    assert aborted  # b was aborted while a batch holding it was in the stages
+    assert final["b"].outputs[0].finish_reason == "abort"
+    for request_id in ("a", "c", "d"):
+        prompt, params = REQUESTS[request_id]
+        assert final[request_id].error is None
+        assert [list(c.token_ids) for c in final[request_id].outputs] == env.solo(
+            prompt, params, None
+        )
+    assert_clean(engine, env)
+
+
+def test_aborting_everything_with_batches_in_flight(engine, env):
+    for request_id, (prompt, params) in REQUESTS.items():
+        engine.add_request(request_id, prompt, params)
+    engine.step()
+    assert len(engine._batches) == 1  # two batches were handed out, one taken in
+    for request_id in REQUESTS:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_clean(engine, env)
+
+
+@pytest.mark.parametrize(
+    ("where", "error"),
+    [
+        ("collect", KeyboardInterrupt),  # Ctrl-C while waiting for the oldest batch
+        ("process", KeyboardInterrupt),
+        ("process", RuntimeError),
+        ("schedule", KeyboardInterrupt),
+        ("schedule", RuntimeError),
+    ],
+)
+def test_a_step_interrupted_with_batches_in_flight_loses_nothing(
+    engine, env, monkeypatch, where, error
+):
+    calls = [0]
+
+    def armed(original):
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 4:
+                raise error("injected")
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    if where == "collect":
+        collect = MultiprocExecutor.collect_model
+        monkeypatch.setattr(
+            MultiprocExecutor, "collect_model", lambda self: armed(lambda: collect(self))()
+        )
+    elif where == "process":
+        engine._process = armed(engine._process)
+    else:
+        engine.scheduler.schedule_beside = armed(engine.scheduler.schedule_beside)
+    final = run_all(engine, REQUESTS, interrupts=(error,))
+    assert calls[0] >= 4  # the fault happened
+    for request_id, (prompt, params) in REQUESTS.items():
+        assert final[request_id].error is None
+        assert [list(c.token_ids) for c in final[request_id].outputs] == env.solo(
+            prompt, params, None
+        )
+    assert_clean(engine, env)
+
+
+POISON = 301  # a token id that only the refused request's prompt holds
+
+
+def refusing_stage_forward(monkeypatch, when):
+    """The first stage raises on a micro-batch for which when(input ids) holds; worker
+    processes forked after this inherit it."""
+    from minillm.distributed import pipeline
+
+    forward = pipeline.stage_forward
+
+    def faulty(model, inputs, x, kv_caches):
+        if x is None and when(inputs.input_ids.tolist()):
+            raise RuntimeError("injected stage fault")
+        return forward(model, inputs, x, kv_caches)
+
+    monkeypatch.setattr(pipeline, "stage_forward", faulty)
+
+
+def pipelined_engine(env, options) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=env.model_dir, **BASE, pipeline_parallel_size=2, **options))
+
+
+MODES = [dict(pipeline_micro_batches=2), dict(pipeline_batches_in_flight=2)]
+
+
+@pytest.mark.parametrize("options", MODES, ids=["drained", "in_flight"])
+def test_a_request_a_stage_always_refuses_fails_alone(env, monkeypatch, options):
+    refusing_stage_forward(monkeypatch, lambda ids: POISON in ids)
+    engine = pipelined_engine(env, options)
+    try:
+        requests = {**REQUESTS, "bad": ([7, POISON, 9, 11], GREEDY)}
+        final = run_all(engine, requests)
+        assert "injected stage fault" in final["bad"].error
+        for request_id, (prompt, params) in REQUESTS.items():
+            assert final[request_id].error is None
+            assert [list(c.token_ids) for c in final[request_id].outputs] == env.solo(
+                prompt, params, None
+            )
+        if options.get("pipeline_batches_in_flight"):
+            assert not engine._batches and engine.executor.batches_in_flight() == 0
+        assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("options", MODES, ids=["drained", "in_flight"])
+def test_a_one_off_stage_fault_costs_no_request_anything(env, monkeypatch, options):
+    calls = [0]
+
+    def third_batch(ids):  # counted in the first stage's process
+        calls[0] += 1
+        return calls[0] == 3
+
+    refusing_stage_forward(monkeypatch, third_batch)
+    engine = pipelined_engine(env, options)
+    try:
+        final = run_all(engine, REQUESTS)
+        for request_id, (prompt, params) in REQUESTS.items():
+            assert final[request_id].error is None
+            assert [list(c.token_ids) for c in final[request_id].outputs] == env.solo(
+                prompt, params, None
+            )
+        assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
+    finally:
+        engine.shutdown()
