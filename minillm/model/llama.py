@@ -40,7 +40,8 @@ class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich, 2019), computed in float32.
 
     With `residual`, returns (norm(x + residual), x + residual): a pre-norm block's residual
-    add fused into the norm. `use_kernel` runs `kernels.rmsnorm.rms_norm` instead.
+    add fused into the norm, as vLLM's `fused_add_rms_norm` (one kernel with `use_kernel`,
+    which runs `kernels.rmsnorm.rms_norm` instead).
     """
 
     def __init__(self, hidden_size: int, eps: float, use_kernel: bool = False) -> None:
@@ -58,7 +59,10 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
-            return self(x), x
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # one fused call, the same arithmetic as below when nothing needs casting
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -214,7 +218,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP of a
-    mixture-of-experts layer is a `SparseMoeBlock`."""
+    mixture-of-experts layer is a `SparseMoeBlock`.
+
+    `forward_fused` is the same block with every residual add moved into the norm that
+    follows it (vLLM's `fused_add_rms_norm`): it takes the residual stream and the previous
+    layer's MLP output unadded and returns its own MLP output and the stream likewise, so
+    the next layer's input norm, or the model's final one, does the add.
+    """
 
     def __init__(self, config: ModelConfig, backend_name: str, layer_idx: int = 0) -> None:
         super().__init__()
@@ -234,10 +244,27 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache_layer: torch.Tensor | None,
         meta: AttentionMetadata | None,
     ) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(x), rope, kv_cache_layer, meta)
-        # x + attn_out and its norm in one call (one kernel with the triton backend)
-        h, x = self.post_attention_layernorm(attn_out, residual=x)
-        return x + self.mlp(h)
+        """The block's output x + attn + mlp, from its input x."""
+        mlp_out, residual = self.forward_fused(x, None, rope, kv_cache_layer, meta)
+        return residual + mlp_out
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        kv_cache_layer: torch.Tensor | None,
+        meta: AttentionMetadata | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp_out, residual): the block's input is x + residual (x alone
+        when residual is None, in the first layer); its output is mlp_out + residual."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual=residual)
+        attn_out = self.self_attn(h, rope, kv_cache_layer, meta)
+        h, residual = self.post_attention_layernorm(attn_out, residual=residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -265,9 +292,13 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.make_rope(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, None if kv_caches is None else kv_caches[i], meta)
-        return self.norm(x)
+            kv_cache_layer = None if kv_caches is None else kv_caches[i]
+            x, residual = layer.forward_fused(x, residual, rope, kv_cache_layer, meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual=residual)[0]
 
     def make_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """The rotation every layer applies to its q and k at this batch's positions."""
