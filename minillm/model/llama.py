@@ -27,7 +27,7 @@ import kernels  # noqa: F401
 from minillm.model.attention import AttentionMetadata, get_attention_backend
 from minillm.model.config import ModelConfig
 from minillm.model.moe import SparseMoeBlock, attach_recorder
-from minillm.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from minillm.model.rope import RotaryEmbedding, apply_rope_tables, rope_inv_freq, rope_tables
 
 # backends whose model runs the RMSNorm and RoPE Triton kernels of `kernels/`
 KERNEL_BACKENDS = frozenset({"triton"})
@@ -114,14 +114,15 @@ class FusedLinear:
         """[..., in_features] -> each layer's output, or None when the layers must run alone."""
         if torch.is_grad_enabled():
             return None
+        modules = self.owner._modules  # read directly: nn.Module.__getattr__ costs a lookup chain
         for name, (weight, bias), ptrs in zip(self.names, self.views, self.data_ptrs, strict=True):
-            linear = getattr(self.owner, name)  # the layer there now, maybe replaced
+            linear = modules.get(name)  # the layer there now, maybe replaced
             if (
                 type(linear) is not nn.Linear
                 or linear._forward_hooks
                 or linear._forward_pre_hooks
-                or linear.weight is not weight
-                or linear.bias is not bias
+                or linear._parameters.get("weight") is not weight
+                or linear._parameters.get("bias") is not bias
                 or _data_ptrs(linear) != ptrs  # `.data` reassigned, or the model moved
             ):
                 return None
@@ -316,8 +317,8 @@ class LlamaModel(nn.Module):
                 )
             cache = self.cos_sin_cache
             return lambda q, k: rope_kernel(q, k, positions, cache)
-        cos, sin = self.rotary_emb(positions, dtype)
-        return lambda q, k: (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
+        cos, sin = rope_tables(*self.rotary_emb(positions, dtype))
+        return lambda q, k: (apply_rope_tables(q, cos, sin), apply_rope_tables(k, cos, sin))
 
 
 class LlamaForCausalLM(nn.Module):
