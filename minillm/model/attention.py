@@ -184,8 +184,7 @@ def write_kv_cache(
         k, v = quantize_kv(k, k_scale).view(torch.uint8), quantize_kv(v, v_scale).view(torch.uint8)
         kv_cache_layer = kv_cache_layer.view(torch.uint8)
     # A slot indexes the (num_blocks * block_size) token rows of the cache, block-major.
-    key_rows = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)
-    value_rows = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)
+    key_rows, value_rows = kv_cache_layer.view(2, -1, num_kv_heads, head_dim).unbind(0)
     if k.dtype != kv_cache_layer.dtype:
         k, v = k.to(kv_cache_layer.dtype), v.to(kv_cache_layer.dtype)
     key_rows.index_copy_(0, slot_mapping, k)
@@ -302,9 +301,11 @@ def paged_decode_attention(
     # a slot the sequence never wrote may hold anything, even NaN: zero it, as the mask
     # alone would let NaN * 0 through
     blocks.view(2, -1, num_kv_heads * head_dim).index_fill_(1, plan.decode_unwritten_rows, 0)
-    kv = blocks.view(kv_cache_layer.dtype).view(2, num_seqs, -1, num_kv_heads, head_dim)
-    k = read_kv(kv[0], k_scale).transpose(1, 2)  # [num_seqs, kv_heads, positions, d]
-    v = read_kv(kv[1], v_scale).transpose(1, 2)
+    if blocks.dtype != kv_cache_layer.dtype:
+        blocks = blocks.view(kv_cache_layer.dtype)
+    # [num_seqs, kv_heads, positions, d] each
+    k, v = blocks.view(2, num_seqs, -1, num_kv_heads, head_dim).transpose(2, 3).unbind(0)
+    k, v = read_kv(k, k_scale), read_kv(v, v_scale)
     # [num_seqs, kv_heads, group, d]: query head h reads KV head h // group
     q_rows = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if q.dtype != torch.float32:

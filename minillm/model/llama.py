@@ -110,8 +110,11 @@ class FusedLinear:
         self.views = [(linear.weight, linear.bias) for linear in linears]
         self.data_ptrs = [_data_ptrs(linear) for linear in linears]
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """[..., in_features] -> each layer's output, or None when the layers must run alone."""
+    def __call__(self, x: torch.Tensor, unit: int = 1) -> list[torch.Tensor] | None:
+        """[..., in_features] -> each layer's output, or None when the layers must run alone.
+
+        With `unit` (a head size dividing every output), the outputs come as [..., size / unit,
+        unit]: one view of the GEMM's output, split along the heads."""
         if torch.is_grad_enabled():
             return None
         modules = self.owner._modules  # read directly: nn.Module.__getattr__ costs a lookup chain
@@ -126,7 +129,10 @@ class FusedLinear:
                 or _data_ptrs(linear) != ptrs  # `.data` reassigned, or the model moved
             ):
                 return None
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        out = F.linear(x, self.weight, self.bias)
+        if unit == 1:
+            return out.split(self.sizes, dim=-1)
+        return out.unflatten(-1, (-1, unit)).split([size // unit for size in self.sizes], dim=-2)
 
 
 def _data_ptrs(linear: nn.Linear) -> tuple[int, int]:
@@ -168,14 +174,16 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata | None,
     ) -> torch.Tensor:
         """x: [num_tokens, hidden] with a cache, or [batch, seq, hidden] without (meta None)."""
-        lead = x.shape[:-1]
-        qkv = None if self.fused_qkv is None else self.fused_qkv(x)
-        if qkv is not None and self.use_kernels:  # the Triton kernels take contiguous rows
-            qkv = [t.contiguous() for t in qkv]
-        q, k, v = qkv or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q = q.view(*lead, self.num_heads, self.head_dim)
-        k = k.view(*lead, self.num_kv_heads, self.head_dim)
-        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        qkv = None if self.fused_qkv is None else self.fused_qkv(x, self.head_dim)
+        if qkv is None:
+            lead = x.shape[:-1]
+            q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        elif self.use_kernels:  # the Triton kernels take contiguous rows
+            q, k, v = (t.contiguous() for t in qkv)
+        else:
+            q, k, v = qkv
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k)

@@ -119,3 +119,18 @@ def test_a_model_without_layers_still_normalizes():
         ids = torch.tensor([[1, 2, 3]])
         x = model.model.embed_tokens(ids)
         assert torch.equal(model.model(ids, torch.arange(3), None, None), model.model.norm(x))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_qkv_split_by_heads_is_the_projections(hf_checkpoint, arch):
+    path, _ = hf_checkpoint(arch)
+    model = load_minillm(path, fused=True)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        q, k, v = attn.fused_qkv(x, attn.head_dim)
+        assert q.shape == (5, attn.num_heads, attn.head_dim)
+        assert k.shape == v.shape == (5, attn.num_kv_heads, attn.head_dim)
+        flat = attn.fused_qkv(x)
+        for got, want in zip((q, k, v), flat, strict=True):
+            assert torch.equal(got.flatten(-2), want)
