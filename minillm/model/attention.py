@@ -106,6 +106,7 @@ class TorchAttentionPlan:
 
     decode_rows: torch.Tensor  # [num_decodes] int64: the decode tokens' rows in the flat batch
     decode_block_tables: torch.Tensor  # [num_decodes, num_blocks] int64: the blocks they read
+    decode_blocks: torch.Tensor  # [num_decodes * num_blocks] int64: the same, flattened
     # [num_unwritten] int64: the gathered rows (sequence * num_blocks * block_size + position)
     # the sequence never wrote, and the additive mask that hides every position past its end:
     # [num_decodes, 1, 1, num_blocks * block_size] float32, 0 or -inf
@@ -153,6 +154,7 @@ def plan_torch_attention(
             [query_start_loc[i] for i in decodes], dtype=torch.int64, device=device
         ),
         decode_block_tables=tables,
+        decode_blocks=tables.flatten(),
         decode_unwritten_rows=unwritten.flatten().nonzero().flatten(),
         decode_mask=torch.zeros(padding.shape, device=device)
         .masked_fill(padding, float("-inf"))
@@ -182,10 +184,11 @@ def write_kv_cache(
         k, v = quantize_kv(k, k_scale).view(torch.uint8), quantize_kv(v, v_scale).view(torch.uint8)
         kv_cache_layer = kv_cache_layer.view(torch.uint8)
     # A slot indexes the (num_blocks * block_size) token rows of the cache, block-major.
-    key_rows = kv_cache_layer[0].view(-1, num_kv_heads, head_dim)
-    value_rows = kv_cache_layer[1].view(-1, num_kv_heads, head_dim)
-    key_rows.index_copy_(0, slot_mapping, k.to(kv_cache_layer.dtype))
-    value_rows.index_copy_(0, slot_mapping, v.to(kv_cache_layer.dtype))
+    key_rows, value_rows = kv_cache_layer.view(2, -1, num_kv_heads, head_dim).unbind(0)
+    if k.dtype != kv_cache_layer.dtype:
+        k, v = k.to(kv_cache_layer.dtype), v.to(kv_cache_layer.dtype)
+    key_rows.index_copy_(0, slot_mapping, k)
+    value_rows.index_copy_(0, slot_mapping, v)
 
 
 def torch_paged_attention(
@@ -294,17 +297,22 @@ def paged_decode_attention(
     num_kv_heads = kv_cache_layer.shape[3]
     cache = kv_cache_layer.view(torch.uint8) if is_fp8(kv_cache_layer) else kv_cache_layer
     # [2, num_seqs * num_blocks, block_size * kv_heads * d]: a fresh copy, ours to change
-    blocks = cache.flatten(2).index_select(1, plan.decode_block_tables.flatten())
+    blocks = cache.flatten(2).index_select(1, plan.decode_blocks)
     # a slot the sequence never wrote may hold anything, even NaN: zero it, as the mask
     # alone would let NaN * 0 through
     blocks.view(2, -1, num_kv_heads * head_dim).index_fill_(1, plan.decode_unwritten_rows, 0)
-    kv = blocks.view(kv_cache_layer.dtype).view(2, num_seqs, -1, num_kv_heads, head_dim)
-    k = read_kv(kv[0], k_scale).transpose(1, 2)  # [num_seqs, kv_heads, positions, d]
-    v = read_kv(kv[1], v_scale).transpose(1, 2)
+    if blocks.dtype != kv_cache_layer.dtype:
+        blocks = blocks.view(kv_cache_layer.dtype)
+    # [num_seqs, kv_heads, positions, d] each
+    k, v = blocks.view(2, num_seqs, -1, num_kv_heads, head_dim).transpose(2, 3).unbind(0)
+    k, v = read_kv(k, k_scale), read_kv(v, v_scale)
     # [num_seqs, kv_heads, group, d]: query head h reads KV head h // group
-    q_rows = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    q_rows = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if q.dtype != torch.float32:
+        q_rows = q_rows.float()
     out = F.scaled_dot_product_attention(q_rows, k, v, attn_mask=plan.decode_mask, scale=scale)
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    out = out.reshape(num_seqs, num_heads, head_dim)
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,9 @@ def dequantize_kv(codes: torch.Tensor, scale: float) -> torch.Tensor:
 
 def read_kv(cached: torch.Tensor, scale: float) -> torch.Tensor:
     """Gathered cache entries as float32 values: dequantized when the cache is FP8."""
-    return dequantize_kv(cached, scale) if is_fp8(cached) else cached.float()
+    if is_fp8(cached):
+        return dequantize_kv(cached, scale)
+    return cached if cached.dtype == torch.float32 else cached.float()
 
 
 def calibrated_scales(k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:

@@ -27,7 +27,7 @@ import kernels  # noqa: F401
 from minillm.model.attention import AttentionMetadata, get_attention_backend
 from minillm.model.config import ModelConfig
 from minillm.model.moe import SparseMoeBlock, attach_recorder
-from minillm.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from minillm.model.rope import RotaryEmbedding, apply_rope_tables, rope_inv_freq, rope_tables
 
 # backends whose model runs the RMSNorm and RoPE Triton kernels of `kernels/`
 KERNEL_BACKENDS = frozenset({"triton"})
@@ -40,7 +40,8 @@ class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich, 2019), computed in float32.
 
     With `residual`, returns (norm(x + residual), x + residual): a pre-norm block's residual
-    add fused into the norm. `use_kernel` runs `kernels.rmsnorm.rms_norm` instead.
+    add fused into the norm, as vLLM's `fused_add_rms_norm` (one kernel with `use_kernel`,
+    which runs `kernels.rmsnorm.rms_norm` instead).
     """
 
     def __init__(self, hidden_size: int, eps: float, use_kernel: bool = False) -> None:
@@ -58,7 +59,10 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
-            return self(x), x
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # one fused call, the same arithmetic as below when nothing needs casting
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -106,22 +110,29 @@ class FusedLinear:
         self.views = [(linear.weight, linear.bias) for linear in linears]
         self.data_ptrs = [_data_ptrs(linear) for linear in linears]
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """[..., in_features] -> each layer's output, or None when the layers must run alone."""
+    def __call__(self, x: torch.Tensor, unit: int = 1) -> list[torch.Tensor] | None:
+        """[..., in_features] -> each layer's output, or None when the layers must run alone.
+
+        With `unit` (a head size dividing every output), the outputs come as [..., size / unit,
+        unit]: one view of the GEMM's output, split along the heads."""
         if torch.is_grad_enabled():
             return None
+        modules = self.owner._modules  # read directly: nn.Module.__getattr__ costs a lookup chain
         for name, (weight, bias), ptrs in zip(self.names, self.views, self.data_ptrs, strict=True):
-            linear = getattr(self.owner, name)  # the layer there now, maybe replaced
+            linear = modules.get(name)  # the layer there now, maybe replaced
             if (
                 type(linear) is not nn.Linear
                 or linear._forward_hooks
                 or linear._forward_pre_hooks
-                or linear.weight is not weight
-                or linear.bias is not bias
+                or linear._parameters.get("weight") is not weight
+                or linear._parameters.get("bias") is not bias
                 or _data_ptrs(linear) != ptrs  # `.data` reassigned, or the model moved
             ):
                 return None
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        out = F.linear(x, self.weight, self.bias)
+        if unit == 1:
+            return out.split(self.sizes, dim=-1)
+        return out.unflatten(-1, (-1, unit)).split([size // unit for size in self.sizes], dim=-2)
 
 
 def _data_ptrs(linear: nn.Linear) -> tuple[int, int]:
@@ -163,14 +174,16 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata | None,
     ) -> torch.Tensor:
         """x: [num_tokens, hidden] with a cache, or [batch, seq, hidden] without (meta None)."""
-        lead = x.shape[:-1]
-        qkv = None if self.fused_qkv is None else self.fused_qkv(x)
-        if qkv is not None and self.use_kernels:  # the Triton kernels take contiguous rows
-            qkv = [t.contiguous() for t in qkv]
-        q, k, v = qkv or (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q = q.view(*lead, self.num_heads, self.head_dim)
-        k = k.view(*lead, self.num_kv_heads, self.head_dim)
-        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        qkv = None if self.fused_qkv is None else self.fused_qkv(x, self.head_dim)
+        if qkv is None:
+            lead = x.shape[:-1]
+            q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        elif self.use_kernels:  # the Triton kernels take contiguous rows
+            q, k, v = (t.contiguous() for t in qkv)
+        else:
+            q, k, v = qkv
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k)
@@ -214,7 +227,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP of a
-    mixture-of-experts layer is a `SparseMoeBlock`."""
+    mixture-of-experts layer is a `SparseMoeBlock`.
+
+    `forward_fused` is the same block with every residual add moved into the norm that
+    follows it (vLLM's `fused_add_rms_norm`): it takes the residual stream and the previous
+    layer's MLP output unadded and returns its own MLP output and the stream likewise, so
+    the next layer's input norm, or the model's final one, does the add.
+    """
 
     def __init__(self, config: ModelConfig, backend_name: str, layer_idx: int = 0) -> None:
         super().__init__()
@@ -234,10 +253,27 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache_layer: torch.Tensor | None,
         meta: AttentionMetadata | None,
     ) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(x), rope, kv_cache_layer, meta)
-        # x + attn_out and its norm in one call (one kernel with the triton backend)
-        h, x = self.post_attention_layernorm(attn_out, residual=x)
-        return x + self.mlp(h)
+        """The block's output x + attn + mlp, from its input x."""
+        mlp_out, residual = self.forward_fused(x, None, rope, kv_cache_layer, meta)
+        return residual + mlp_out
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        kv_cache_layer: torch.Tensor | None,
+        meta: AttentionMetadata | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp_out, residual): the block's input is x + residual (x alone
+        when residual is None, in the first layer); its output is mlp_out + residual."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual=residual)
+        attn_out = self.self_attn(h, rope, kv_cache_layer, meta)
+        h, residual = self.post_attention_layernorm(attn_out, residual=residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -265,9 +301,13 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.make_rope(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, None if kv_caches is None else kv_caches[i], meta)
-        return self.norm(x)
+            kv_cache_layer = None if kv_caches is None else kv_caches[i]
+            x, residual = layer.forward_fused(x, residual, rope, kv_cache_layer, meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual=residual)[0]
 
     def make_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """The rotation every layer applies to its q and k at this batch's positions."""
@@ -285,8 +325,8 @@ class LlamaModel(nn.Module):
                 )
             cache = self.cos_sin_cache
             return lambda q, k: rope_kernel(q, k, positions, cache)
-        cos, sin = self.rotary_emb(positions, dtype)
-        return lambda q, k: (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
+        cos, sin = rope_tables(*self.rotary_emb(positions, dtype))
+        return lambda q, k: (apply_rope_tables(q, cos, sin), apply_rope_tables(k, cos, sin))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -78,3 +78,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: [..., num_heads, head_dim]; cos, sin: [..., head_dim] -> x rotated, same shape."""
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return x * cos + rotate_half(x) * sin
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [..., head_dim] -> the tables `apply_rope_tables` takes, [..., 1, head_dim]:
+    cos, and sin with its first half negated. Built once per batch, used by every layer."""
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return cos.unsqueeze(-2), signed_sin.unsqueeze(-2)
+
+
+def apply_rope_tables(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope` from `rope_tables`, bit for bit, in four operations instead of ten:
+    rotate_half(x) * sin = (-x2 * s1, x1 * s2) = roll(x) * (-s1, s2), as negation is exact."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

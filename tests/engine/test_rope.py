@@ -6,10 +6,16 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.model.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from minillm.model.rope import (
+    RotaryEmbedding,
+    apply_rope,
+    apply_rope_tables,
+    rope_inv_freq,
+    rope_tables,
+)
 
 
 def hf_llama3_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict) -> torch.Tensor:
@@ -120,3 +126,25 @@ def test_frequencies_stay_float32_when_the_model_is_cast():
     cos, _ = rope(torch.tensor([100000]), torch.bfloat16)
     assert cos.dtype == torch.bfloat16
     assert rope.inv_freq.dtype == torch.float32
+
+
+@settings(deadline=None)
+@given(
+    tokens=st.integers(1, 6),
+    heads=st.integers(1, 4),
+    head_dim=st.sampled_from([2, 8, 64]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_rope_tables_rotate_bit_for_bit_like_apply_rope(tokens, heads, head_dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(1, 100_000, (tokens,), generator=gen)  # sin 0 at 0
+    x = (torch.randn(tokens, heads, head_dim, generator=gen) * 10).to(dtype)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None)(positions, dtype)
+    expected = apply_rope(x, cos, sin)
+    assert torch.equal(apply_rope_tables(x, *rope_tables(cos, sin)), expected)
+    # the sign belongs to the first half: negating the second (rotating the other way) or
+    # forgetting it is caught
+    wrong = torch.cat((sin[..., : head_dim // 2], -sin[..., head_dim // 2 :]), dim=-1)
+    assert not torch.equal(apply_rope_tables(x, cos.unsqueeze(-2), wrong.unsqueeze(-2)), expected)
+    assert not torch.equal(apply_rope_tables(x, cos.unsqueeze(-2), sin.unsqueeze(-2)), expected)
