@@ -42,6 +42,9 @@ LAYERS = {
     + ("minillm.structured",),
     # LoRARequest (vLLM's vllm.lora.request): a plain value every layer may carry
     "minillm.lora": (),
+    # what the engine hands back (RequestOutput, RequestMetrics): plain values every layer may
+    # carry, so they import nothing of the engine
+    "minillm.outputs": (),
     "kernels": (),
 }
 
