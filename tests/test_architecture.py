@@ -242,3 +242,20 @@ def test_the_engine_installs_with_its_runtime_dependencies_alone():
     }
     extra = {n: sorted(i - RUNTIME_PACKAGES - OPTIONAL_PACKAGES) for n, i in used.items()}
     assert {n: i for n, i in extra.items() if i} == {}
+
+
+def test_the_public_values_load_no_compiler():
+    # SamplingParams compiles a constraint only when a request has one, so importing the
+    # public value types loads neither the grammar compilers nor the engine
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, minillm.sampling_params, minillm.outputs; "
+        "print(sorted(m for m in sys.modules if m.startswith(('minillm.structured', "
+        "'minillm.core', 'minillm.engine'))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert result.stdout.strip() == "[]"
