@@ -1,14 +1,14 @@
-"""Building an engine's parts from its EngineArgs: the KV pool's size and the runner.
+"""Building an engine's parts from its EngineArgs: the KV pool, the scheduler, the runner.
 
-`LLMEngine.__init__` reads as a list of parts; the decisions behind the two that take work are
-here:
+`LLMEngine.__init__` reads as a list of parts; the decisions behind them are here:
 
 - `size_kv_pool`: how many KV blocks the pool holds. Given outright (`num_gpu_blocks`,
   `kv_cache_memory_bytes`), or vLLM's sizing on a GPU: the device's memory times
   gpu_memory_utilization, less the weights, the peak of a warm-up forward over a full token
   budget and the decode CUDA graphs' pool; a draft model's cache takes its share of the same
   budget, block for block.
-- `build_runner`: what runs each step's forward and sampling. A `ModelRunner` in this process,
+- `build_scheduler`: the KV-cache manager over that pool and the scheduler over both.
+- `build_runners`: what runs each step's forward and sampling. A `ModelRunner` in this process,
   or a `MultiprocExecutor` over worker processes (tensor or pipeline parallelism, or a
   disaggregated prefill/decode pair), with `SpecDecodeRunner` around it when speculative
   decoding is on.
@@ -19,10 +19,13 @@ end of this module.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from minillm.core.kv_cache_manager import KVCacheManager
+from minillm.core.scheduler import Scheduler
 from minillm.distributed.executor import MultiprocExecutor
 from minillm.distributed.parallel_state import free_port
 from minillm.distributed.worker import WorkerSpec
@@ -104,6 +107,34 @@ def size_kv_pool(
     num_blocks = args.num_blocks(config, dtype, max_model_len, available_bytes)
     check_pool_fits(num_blocks, block_bytes, device)
     return KVPool(num_blocks, block_bytes, dtype)
+
+
+def build_scheduler(
+    args: EngineArgs,
+    num_blocks: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    spec_config: SpeculativeConfig | None,
+    clock: Callable[[], float],
+) -> tuple[KVCacheManager, Scheduler]:
+    """The KV pool's manager and the scheduler that plans every step over it."""
+    kv_cache_manager = KVCacheManager(
+        num_blocks, args.block_size, args.enable_prefix_caching, args.prefix_caching_algo
+    )
+    scheduler = Scheduler(
+        kv_cache_manager,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        clock=clock,
+        scheduling_policy=args.scheduling_policy,
+        batching_type=args.batching_type,
+        num_lookahead_tokens=spec_config.num_speculative_tokens if spec_config else 0,
+        max_loras=args.max_loras if args.enable_lora else None,
+        remote_prefill=args.kv_transfer_config is not None,
+    )
+    return kv_cache_manager, scheduler
 
 
 def build_executor(

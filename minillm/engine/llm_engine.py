@@ -23,12 +23,10 @@ from collections.abc import Callable
 
 import torch
 
-from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.request import Request, RequestStatus
 from minillm.core.scheduler import (
     PLACEHOLDER_TOKEN_ID,
     ScheduledRequest,
-    Scheduler,
     SchedulerOutput,
 )
 from minillm.distributed.executor import WorkerError
@@ -37,6 +35,7 @@ from minillm.engine.args import EngineArgs
 from minillm.engine.build import (
     attention_backend,
     build_runners,
+    build_scheduler,
     configure_attention,
     quantize_loaded_model,
     size_kv_pool,
@@ -89,22 +88,8 @@ class LLMEngine:
             spec_config,
             distributed,
         )
-        num_blocks = pool.num_blocks
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, args.block_size, args.enable_prefix_caching, args.prefix_caching_algo
-        )
-        self.scheduler = Scheduler(
-            self.kv_cache_manager,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            clock=clock,
-            scheduling_policy=args.scheduling_policy,
-            batching_type=args.batching_type,
-            num_lookahead_tokens=spec_config.num_speculative_tokens if spec_config else 0,
-            max_loras=args.max_loras if args.enable_lora else None,
-            remote_prefill=args.kv_transfer_config is not None,
+        self.kv_cache_manager, self.scheduler = build_scheduler(
+            args, pool.num_blocks, self.max_model_len, max_num_batched_tokens, spec_config, clock
         )
         # constrained decoding: the compiled grammars, and each request's place in its own
         self.structured_output_manager = StructuredOutputManager(
@@ -160,8 +145,8 @@ class LLMEngine:
             )
         if self.device.type == "cuda":
             print(
-                f"minillm: KV cache of {num_blocks:,} blocks x {args.block_size} tokens "
-                f"({num_blocks * pool.block_bytes / 2**30:.2f} GiB) on {device}"
+                f"minillm: KV cache of {pool.num_blocks:,} blocks x {args.block_size} tokens "
+                f"({pool.num_blocks * pool.block_bytes / 2**30:.2f} GiB) on {device}"
             )
 
     def add_request(
