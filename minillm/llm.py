@@ -143,7 +143,7 @@ class LLM:
         tokenizer = self.engine.tokenizer
         token_prompts = []
         for prompt in as_prompt_list(prompts):
-            _, ids = self.engine._tokenize(prompt)
+            _, ids = self.engine.processor.tokenize(prompt)
             token_prompts.append(ids)
 
         def generate(batch: list[list[int]], sampling_params: SamplingParams):
@@ -205,8 +205,9 @@ class LLM:
                         raise ValueError(
                             f"params must be a SamplingParams, got {type(params).__name__}"
                         )
-                    self.engine._check_prompt(self.engine._tokenize(prompt)[1])
-                    self.engine._check_params(params)
+                    processor = self.engine.processor
+                    processor.check_prompt(processor.tokenize(prompt)[1])
+                    processor.check_params(params)
                 for lora in {id(r[4]): r[4] for r in held if r[4] is not None}.values():
                     self.engine.lora_manager.check_lora(lora)
             except BaseException:

@@ -5,15 +5,17 @@ transfers. Bad values are rejected here, where they enter, rather than deep insi
 The object is frozen: a value changed after construction would skip this validation.
 """
 
+from __future__ import annotations
+
 import json
 import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from minillm.structured.cfg import ContextFreeGrammar, compile_grammar
-from minillm.structured.json_schema import schema_to_regex
-from minillm.structured.regex import compile_regex, escape
+if TYPE_CHECKING:  # the compilers are imported where a constraint is compiled
+    from minillm.structured.cfg import ContextFreeGrammar
 
 # Temperatures below this are greedy: dividing logits by a tiny temperature overflows
 # (vLLM's _SAMPLING_EPS).
@@ -64,6 +66,11 @@ class StructuredOutputsParams:
     pattern: str | ContextFreeGrammar = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
+        # imported here, so that `import minillm.sampling_params` loads no compiler
+        from minillm.structured.cfg import compile_grammar
+        from minillm.structured.json_schema import schema_to_regex
+        from minillm.structured.regex import compile_regex, escape
+
         names = ("json", "regex", "choice", "grammar")
         given = [name for name in names if getattr(self, name) is not None]
         if len(given) != 1:

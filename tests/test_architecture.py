@@ -42,6 +42,9 @@ LAYERS = {
     + ("minillm.structured",),
     # LoRARequest (vLLM's vllm.lora.request): a plain value every layer may carry
     "minillm.lora": (),
+    # what the engine hands back (RequestOutput, RequestMetrics): plain values every layer may
+    # carry, so they import nothing of the engine
+    "minillm.outputs": (),
     "kernels": (),
 }
 
@@ -239,3 +242,20 @@ def test_the_engine_installs_with_its_runtime_dependencies_alone():
     }
     extra = {n: sorted(i - RUNTIME_PACKAGES - OPTIONAL_PACKAGES) for n, i in used.items()}
     assert {n: i for n, i in extra.items() if i} == {}
+
+
+def test_the_public_values_load_no_compiler():
+    # SamplingParams compiles a constraint only when a request has one, so importing the
+    # public value types loads neither the grammar compilers nor the engine
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, minillm.sampling_params, minillm.outputs; "
+        "print(sorted(m for m in sys.modules if m.startswith(('minillm.structured', "
+        "'minillm.core', 'minillm.engine'))))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert result.stdout.strip() == "[]"

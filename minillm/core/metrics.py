@@ -11,89 +11,27 @@ Every latency the book uses is a difference of these:
     TPOT           = (E2EL - TTFT) / (n - 1)              (time per output token)
 
 Timestamps come from `time.perf_counter` in the engine; tests pass their own values.
+
+`RequestMetrics`, the record of one request, is defined in `minillm.outputs`, beside the
+`RequestOutput` that hands it to the user (so that the public outputs depend on nothing of the
+engine's), and is imported here; this module adds the averages over many requests and the
+scheduler's per-step `StepTrace`.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
-from itertools import pairwise
+from dataclasses import dataclass
 
+from minillm.outputs import RequestMetrics
 
-@dataclass(slots=True)
-class RequestMetrics:
-    """The timestamps of one request (seconds, one clock) and the latencies derived from them."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    token_times: list[float] = field(default_factory=list)  # one per output token
-    finished_time: float | None = None
-
-    def record_scheduled(self, now: float) -> None:
-        # a preempted request is scheduled again later; its queueing time ends the first time
-        if self.first_scheduled_time is None:
-            self.first_scheduled_time = now
-
-    def record_token(self, now: float) -> None:
-        self.token_times.append(now)
-
-    def record_finished(self, now: float) -> None:
-        self.finished_time = now
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_times)
-
-    @property
-    def first_token_time(self) -> float | None:
-        return self.token_times[0] if self.token_times else None
-
-    @property
-    def queueing_time_s(self) -> float | None:
-        """Time spent waiting before the scheduler first gave the request any tokens."""
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
-
-    @property
-    def ttft_s(self) -> float | None:
-        """Time to first token: arrival to the first sampled token (queueing + prefill)."""
-        if not self.token_times:
-            return None
-        return self.token_times[0] - self.arrival_time
-
-    @property
-    def itl_s(self) -> list[float]:
-        """Inter-token latencies: the n - 1 gaps between consecutive output tokens."""
-        return [later - earlier for earlier, later in pairwise(self.token_times)]
-
-    @property
-    def e2el_s(self) -> float | None:
-        """End-to-end latency: arrival to finish."""
-        if self.finished_time is None:
-            return None
-        return self.finished_time - self.arrival_time
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Time per output token after the first: (E2EL - TTFT) / (n - 1).
-
-        This is the TPOT that vLLM's benchmark reports per request. For one request that
-        finishes on its last token it equals `mean_itl_s`. Averaged over many requests the two
-        conventions differ: the mean of per-request TPOTs weighs every request equally, while
-        the mean over all ITL gaps of all requests weighs every token equally, so long requests
-        count for more.
-        """
-        e2el_s, ttft_s = self.e2el_s, self.ttft_s
-        if e2el_s is None or ttft_s is None or self.num_output_tokens < 2:
-            return None
-        return (e2el_s - ttft_s) / (self.num_output_tokens - 1)
-
-    @property
-    def mean_itl_s(self) -> float | None:
-        """The mean of this request's ITL gaps (the token-weighted convention, for one request)."""
-        gaps = self.itl_s
-        return statistics.fmean(gaps) if gaps else None
+__all__ = [
+    "RequestMetrics",
+    "StepTrace",
+    "mean_itl_s",
+    "mean_tpot_s",
+    "merge_request_metrics",
+]
 
 
 def mean_tpot_s(metrics: list[RequestMetrics]) -> float | None:

@@ -1,7 +1,9 @@
 """The engine: requests in, one step at a time, outputs out.
 
-`LLMEngine` wires the pieces together. `add_request` checks a prompt and its options where they
-enter and queues it; every `step` is one iteration of the loop all serving engines share:
+`LLMEngine` wires the pieces together (`minillm.engine.build` sizes the KV pool and builds
+the runner). `add_request` checks a prompt and its options where they enter
+(`minillm.engine.processor`) and queues it; every `step` is one iteration of the loop all
+serving engines share:
 
     plan = scheduler.schedule()                        # who runs, how many tokens, which blocks
     sampled = model_runner.execute_model(plan)         # one forward pass, one sample per sequence
@@ -17,49 +19,39 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 
-from minillm.core.kv_cache_manager import KVCacheManager
 from minillm.core.request import Request, RequestStatus
 from minillm.core.scheduler import (
     PLACEHOLDER_TOKEN_ID,
     ScheduledRequest,
-    Scheduler,
     SchedulerOutput,
 )
-from minillm.distributed.executor import MultiprocExecutor, StageError, WorkerError
-from minillm.distributed.parallel_state import free_port
+from minillm.distributed.executor import StageError, WorkerError
 from minillm.distributed.pipeline import run_bubble
-from minillm.distributed.worker import StepRecord, WorkerSpec
-from minillm.engine.args import (
-    EngineArgs,
-    check_pool_fits,
-    device_free_bytes,
-    kv_cache_block_bytes,
+from minillm.distributed.worker import StepRecord
+from minillm.engine.args import EngineArgs
+from minillm.engine.build import (
+    attention_backend,
+    build_runners,
+    build_scheduler,
+    configure_attention,
+    quantize_loaded_model,
+    size_kv_pool,
 )
 from minillm.engine.metrics import EngineStats
 from minillm.engine.output_processor import OutputProcessor
+from minillm.engine.processor import Processor, Prompt
 from minillm.lora.request import LoRARequest
-from minillm.model.config import torch_dtype
 from minillm.model.loader import load_model, resolve_device
 from minillm.model.lora import LoRAManager
 from minillm.model.moe import require_moe, routing_recorder
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
-from minillm.spec.spec_runner import (
-    SpecDecodeRunner,
-    SpecDecodingStats,
-    unsupported_with_spec_decode,
-)
+from minillm.spec.spec_runner import SpecDecodingStats
 from minillm.structured.grammar import StructuredOutputManager
-from minillm.worker.cuda_graphs import CUDA_GRAPH_BACKENDS, CUDAGraphConfig, profile_graph_bytes
-from minillm.worker.model_runner import ModelRunner, profile_peak_bytes
-from minillm.worker.sampler import Sampler
-
-# a prompt: text, token ids, or vLLM's dicts {"prompt": text} / {"prompt_token_ids": ids}
-Prompt = str | list[int] | Mapping[str, object]
 
 
 class LLMEngine:
@@ -71,10 +63,7 @@ class LLMEngine:
         args = engine_args
         self.engine_args = args  # as given (the server's cache_config_info reads them)
         device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        on_cuda = device.type == "cuda"
-        backend = args.attention_backend or ("triton" if on_cuda else "torch")
-        if args.kv_cache_dtype != "auto" or args.batch_invariant:
-            backend = "torch"  # their only backend (EngineArgs refuses any other by name)
+        backend = attention_backend(args, device)
         parallel = args.parallel_config()
         distributed = parallel.world_size > 1 or args.kv_transfer_config is not None
         # several ranks: the worker processes load the weights; this process schedules
@@ -90,55 +79,18 @@ class LLMEngine:
         self.max_model_len = args.resolve_max_model_len(self.config)
         spec_config = args.resolve_speculative_config(self.config, self.max_model_len)
         max_num_batched_tokens = args.resolve_max_num_batched_tokens(self.max_model_len)
-        dtype = args.kv_cache_torch_dtype(torch_dtype(self.config.torch_dtype))
-        block_bytes = kv_cache_block_bytes(self.config, args.block_size, dtype)
-        available_bytes = None
-        if (
-            on_cuda
-            and not distributed
-            and args.num_gpu_blocks is None
-            and args.kv_cache_memory_bytes is None
-        ):
-            available_bytes = gpu_kv_cache_bytes(
-                loaded.model, args.gpu_memory_utilization, max_num_batched_tokens
-            )
-            if not args.enforce_eager and backend in CUDA_GRAPH_BACKENDS:
-                # the decode graphs' memory pool stays allocated beside the KV cache
-                available_bytes = max(
-                    0,
-                    available_bytes
-                    - profile_graph_bytes(
-                        loaded.model,
-                        args.block_size,
-                        CUDAGraphConfig(args.max_num_seqs, self.max_model_len),
-                    ),
-                )
-        if spec_config is not None and spec_config.method == "draft_model":
-            # the draft's KV cache has as many blocks as the target's: both share the budget
-            draft_config = load_model(spec_config.model, weights=False).config
-            draft_block_bytes = kv_cache_block_bytes(
-                draft_config, args.block_size, torch_dtype(args.dtype or draft_config.torch_dtype)
-            )
-            if available_bytes is not None:
-                available_bytes = available_bytes * block_bytes // (block_bytes + draft_block_bytes)
-            block_bytes += draft_block_bytes
-        num_blocks = args.num_blocks(self.config, dtype, self.max_model_len, available_bytes)
-        check_pool_fits(num_blocks, block_bytes, self.device)
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, args.block_size, args.enable_prefix_caching, args.prefix_caching_algo
+        pool = size_kv_pool(
+            args,
+            loaded,
+            self.device,
+            backend,
+            self.max_model_len,
+            max_num_batched_tokens,
+            spec_config,
+            distributed,
         )
-        self.scheduler = Scheduler(
-            self.kv_cache_manager,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            clock=clock,
-            scheduling_policy=args.scheduling_policy,
-            batching_type=args.batching_type,
-            num_lookahead_tokens=spec_config.num_speculative_tokens if spec_config else 0,
-            max_loras=args.max_loras if args.enable_lora else None,
-            remote_prefill=args.kv_transfer_config is not None,
+        self.kv_cache_manager, self.scheduler = build_scheduler(
+            args, pool.num_blocks, self.max_model_len, max_num_batched_tokens, spec_config, clock
         )
         # constrained decoding: the compiled grammars, and each request's place in its own
         self.structured_output_manager = StructuredOutputManager(
@@ -152,57 +104,31 @@ class LLMEngine:
             else None
         )
         self.parallel_config = parallel
-        self.executor: MultiprocExecutor | None = None
-        if distributed:
-            parallel.check_model(self.config)
-            self.executor = MultiprocExecutor(
-                WorkerSpec(
-                    model=str(loaded.path),
-                    dtype=self.config.torch_dtype,
-                    device_type=device.type,
-                    attention_backend=backend,
-                    parallel=parallel,
-                    num_blocks=num_blocks,
-                    block_size=args.block_size,
-                    seed=args.seed,
-                    # batches in flight: each batch is one micro-batch
-                    num_micro_batches=1
-                    if args.pipeline_batches_in_flight
-                    else args.pipeline_micro_batches or parallel.pipeline_parallel_size,
-                    port=free_port(),
-                    batches_in_flight=bool(args.pipeline_batches_in_flight),
-                    kv_transfer=args.kv_transfer_config,
-                )
-            )
-            self.model_runner = self.executor
-        else:
-            sampler = Sampler(
-                torch.Generator(self.device).manual_seed(args.seed),
-                self.structured_output_manager,
-                args.logprobs_mode,
-            )
-            # decode steps replay CUDA graphs unless told not to or the backend cannot be captured
-            use_graphs = on_cuda and not args.enforce_eager and backend in CUDA_GRAPH_BACKENDS
-            self.model_runner = ModelRunner(
-                loaded.model,
-                sampler,
-                num_blocks,
-                args.block_size,
-                CUDAGraphConfig(args.max_num_seqs, self.max_model_len) if use_graphs else None,
-                kv_cache_dtype=dtype,
-                lora_manager=self.lora_manager,
-            )
-        # what runs each step: the model runner, or speculative decoding around it
-        self.runner = self.model_runner
-        self.spec_runner: SpecDecodeRunner | None = None
-        if spec_config is not None:
-            draft = None
-            if spec_config.method == "draft_model":
-                draft = load_model(spec_config.model, args.dtype, device, backend).model
-            self.spec_runner = SpecDecodeRunner(
-                self.model_runner, spec_config, self.max_model_len, draft, num_blocks
-            )
-            self.runner = self.spec_runner
+        # what runs each step: the model runner (or the executor of the worker processes that
+        # run it), or speculative decoding around it
+        self.executor, self.model_runner, self.spec_runner = build_runners(
+            args,
+            loaded,
+            device,
+            backend,
+            parallel if distributed else None,
+            self.max_model_len,
+            pool,
+            spec_config,
+            self.structured_output_manager,
+            self.lora_manager,
+        )
+        self.runner = self.spec_runner or self.model_runner
+        self.processor = Processor(
+            self.tokenizer,
+            self.config.vocab_size,
+            self.max_model_len,
+            args.max_num_seqs,
+            args.scheduling_policy,
+            spec_decode=self.spec_runner is not None,
+            multiprocess=self.executor is not None,
+            lora_manager=self.lora_manager,
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats(window=args.stats_window)
         # async scheduling: forwards run in this thread while the engine plans the next step
@@ -222,10 +148,10 @@ class LLMEngine:
             self._forward_thread = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="minillm-forward"
             )
-        if on_cuda:
+        if self.device.type == "cuda":
             print(
-                f"minillm: KV cache of {num_blocks:,} blocks x {args.block_size} tokens "
-                f"({num_blocks * block_bytes / 2**30:.2f} GiB) on {device}"
+                f"minillm: KV cache of {pool.num_blocks:,} blocks x {args.block_size} tokens "
+                f"({pool.num_blocks * pool.block_bytes / 2**30:.2f} GiB) on {device}"
             )
 
     def add_request(
@@ -247,22 +173,15 @@ class LLMEngine:
         lora_request: the LoRA adapter to run it with (an engine with enable_lora=True); the
         adapter is loaded here the first time it is named.
         """
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        if priority != 0 and self.scheduler.scheduling_policy != "priority":
-            raise ValueError(
-                f"priority={priority} needs scheduling_policy='priority', "
-                f"this engine uses {self.scheduler.scheduling_policy!r}"
-            )
-        prompt_text, prompt_token_ids = self._tokenize(prompt)
-        self._check_prompt(prompt_token_ids)
-        self._check_params(params)
-        self._check_lora_request(lora_request)
+        prompt_text, prompt_token_ids, params = self.processor.process(
+            request_id, prompt, params, priority
+        )
+        in_use = {
+            request.lora_request.lora_int_id
+            for request in self.scheduler.requests.values()
+            if request.lora_request is not None
+        }
+        self.processor.check_lora_request(lora_request, in_use)
         seq_ids = [request_id] + [f"{request_id}#{i}" for i in range(1, params.n)]
         if self.output_processor.is_in_use(request_id, seq_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -290,93 +209,6 @@ class LLMEngine:
             self._jump_forward(seqs)
         self.output_processor.add_request(request_id, prompt_text, seqs)
         self.scheduler.add_request(seqs[0])
-
-    def _check_lora_request(self, lora_request: LoRARequest | None) -> None:
-        """A LoRARequest needs enable_lora; its adapter is loaded (and checked) now."""
-        if lora_request is None:
-            return
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(
-                f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}"
-            )
-        if self.lora_manager is None:
-            raise ValueError(
-                f"lora_request {lora_request.lora_name!r} needs an engine made with "
-                "enable_lora=True"
-            )
-        in_use = {
-            request.lora_request.lora_int_id
-            for request in self.scheduler.requests.values()
-            if request.lora_request is not None
-        }
-        self.lora_manager.add_lora(lora_request, in_use)
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, Mapping):
-            keys = set(prompt) - {"multi_modal_data", "mm_processor_kwargs"}
-            if keys == {"prompt"}:
-                prompt = prompt["prompt"]
-                if not isinstance(prompt, str):
-                    raise ValueError(f'{{"prompt": ...}} must hold a str, got {prompt!r:.80}')
-            elif keys == {"prompt_token_ids"}:
-                prompt = prompt["prompt_token_ids"]
-                if not isinstance(prompt, list):
-                    raise ValueError(
-                        f'{{"prompt_token_ids": ...}} must hold a list of ints, got {prompt!r:.80}'
-                    )
-            else:
-                raise ValueError(
-                    'a prompt dict needs exactly one of "prompt" (text) or "prompt_token_ids", '
-                    f"got the keys {sorted(prompt)}"
-                )
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            return None, list(prompt)
-        raise ValueError(
-            f"a prompt must be a str, a list of token ids or a prompt dict, got {prompt!r:.80}"
-        )
-
-    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: expected at least one token")
-        vocab_size = self.config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token ids must be in [0, {vocab_size}) for this model, got {bad[:5]}"
-            )
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens, but max_model_len="
-                f"{self.max_model_len} leaves room for at most {self.max_model_len - 1} "
-                "prompt tokens and one output token"
-            )
-
-    def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: values that depend on the model."""
-        vocab_size = self.config.vocab_size
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(
-                f"stop_token_ids must be in [0, {vocab_size}) for this model, got {bad[:5]}"
-            )
-        if self.spec_runner is not None:
-            reason = unsupported_with_spec_decode(params)
-            if reason is not None:
-                raise ValueError(reason)
-        if params.structured_outputs is not None and self.executor is not None:
-            raise ValueError(
-                "structured_outputs run on one process in minillm; this engine uses "
-                "tensor_parallel_size or pipeline_parallel_size > 1"
-            )
-        if params.n > self.scheduler.max_num_seqs:
-            raise ValueError(
-                f"n={params.n} completions cannot run together with "
-                f"max_num_seqs={self.scheduler.max_num_seqs}"
-            )
 
     def abort_request(self, request_id: str, error: str | None = None) -> None:
         """Stop a prompt's sequences and free their blocks; the next step reports it finished
@@ -913,50 +745,3 @@ class LLMEngine:
             except Exception as error:  # noqa: BLE001 - reported with the request
                 failed.append((scheduled, f"{type(error).__name__}: {error}"))
         return sampled, failed
-
-
-def quantize_loaded_model(loaded, args: EngineArgs) -> None:
-    """Quantize the freshly loaded model's decoder linears in place (`args.quantization`);
-    GPTQ and AWQ calibrate on standard library text that is not held out. The float weights
-    they replace are freed before the KV cache is sized, so a smaller model leaves more room
-    for the cache."""
-    from minillm.model.quantization import default_calibration, quantize_model
-
-    calibration = None
-    if args.quantization_method != "rtn":
-        calibration = default_calibration(loaded.path)
-    quantize_model(
-        loaded.model,
-        args.quantization,
-        args.quantization_group_size,
-        args.quantization_method,
-        calibration,
-    )
-    if loaded.model.lm_head.weight.is_cuda:
-        torch.cuda.empty_cache()
-
-
-def configure_attention(model, args: EngineArgs) -> None:
-    """The options that change how attention runs: FP8 KV-cache scales to calibrate on the
-    first forward (`calculate_kv_scales`) and batch-invariant execution."""
-    if model is None:
-        return
-    if args.calculate_kv_scales:
-        for layer in model.model.layers:
-            layer.self_attn.backend.calculate_kv_scales = True
-    if args.batch_invariant:
-        from minillm.model.batch_invariant import enable_batch_invariant
-
-        enable_batch_invariant(model)
-
-
-def gpu_kv_cache_bytes(model, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
-    """vLLM's sizing: the device's memory times gpu_memory_utilization, less what the weights
-    and the peak of a warm-up forward over a full token budget take; the KV cache gets the
-    rest."""
-    device = model.lm_head.weight.device
-    _free, total_bytes = torch.cuda.mem_get_info(device)
-    peak_bytes = profile_peak_bytes(model, max_num_batched_tokens)
-    available = int(total_bytes * gpu_memory_utilization) - peak_bytes
-    free_bytes = device_free_bytes(device) or 0
-    return max(0, min(available, free_bytes))

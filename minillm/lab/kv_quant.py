@@ -2,7 +2,8 @@
 
 This module measures what an FP8 cache would do to the bundled model (chapter 3) by quantizing
 the cache offline, which lets it compare scales on the same cache. The engine's own FP8
-cache is `LLM(kv_cache_dtype="fp8_e4m3")` (`minillm.model.kv_cache_dtype`).
+cache is `LLM(kv_cache_dtype="fp8_e4m3")` (`minillm.model.kv_cache_dtype`), and the formulas
+here are its own: `fp8_scale`, `quantize_fp8` and `dequantize_fp8` call that module.
 
 float8_e4m3fn (4 exponent bits, 3 mantissa bits, no infinities) covers +-448 with about two
 significant decimal digits. A value x is stored as the code q = fp8(x / scale) and read back
@@ -31,34 +32,33 @@ from collections.abc import Callable
 import torch
 
 from minillm.model.attention import AttentionMetadata
+from minillm.model.kv_cache_dtype import (
+    FP8_DTYPE,  # noqa: F401 (the format, re-exported for the chapters)
+    FP8_E4M3_MAX,
+    amax_scale,
+    dequantize_kv,
+    quantize_kv,
+)
 from minillm.model.llama import LlamaForCausalLM
 from minillm.worker.model_runner import allocate_kv_caches
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_E4M3_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
-
 
 def fp8_scale(x: torch.Tensor) -> float:
-    """Per-tensor scale amax(|x|) / 448, so the largest magnitude maps to the format's max.
-
-    An all-zero tensor gets scale 1.0 (any scale stores zeros exactly).
-    """
-    amax = x.detach().abs().max().item() if x.numel() else 0.0
-    if not math.isfinite(amax):
-        raise ValueError("cannot scale a tensor that holds inf or nan")
-    return amax / FP8_E4M3_MAX if amax > 0 else 1.0
+    """Per-tensor scale amax(|x|) / 448, so the largest magnitude maps to the format's max
+    (the engine's `amax_scale`); an all-zero tensor gets scale 1.0."""
+    return amax_scale(x, FP8_E4M3_MAX)
 
 
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x / scale rounded to float8_e4m3fn, saturating at +-448 (values beyond are clipped)."""
+    """x / scale rounded to float8_e4m3fn, saturating at +-448: the engine's `quantize_kv`."""
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")
-    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+    return quantize_kv(x, scale)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Codes back to values: q * scale, in `dtype`."""
-    return (q.float() * scale).to(dtype)
+    """Codes back to values: q * scale, in `dtype` (the engine's `dequantize_kv`)."""
+    return dequantize_kv(q, scale).to(dtype)
 
 
 def fp8_roundtrip(x: torch.Tensor, scale: float) -> torch.Tensor:

@@ -28,6 +28,11 @@ four decode steps long and a TPOT of one step (vLLM 0.11's `calculate_metrics` i
 
 Percentiles are nearest-rank: the p-th percentile of N values is the smallest value that at
 least p % of them do not exceed, always one of the values (`percentile`).
+
+These mirror the engine's own per-request metrics (`minillm.core.metrics.RequestMetrics`:
+`ttft_s`, `itl_s`, `e2el_s`, `tpot_s`), which the engine stamps as it runs; here the same
+quantities come from the client's timestamps, so they include the network and the server's
+queues, and work for any server.
 """
 
 from __future__ import annotations

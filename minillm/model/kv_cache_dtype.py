@@ -83,14 +83,17 @@ def read_kv(cached: torch.Tensor, scale: float) -> torch.Tensor:
     return cached if cached.dtype == torch.float32 else cached.float()
 
 
+def amax_scale(x: torch.Tensor, constant: float = FP8_E4M3_MAX) -> float:
+    """Per-tensor scale amax(|x|) / constant: the largest magnitude is stored as `constant`
+    (448, the default, uses the format's whole range). A tensor of zeros (or none) gets scale
+    1.0, which stores zeros exactly."""
+    amax = float(x.detach().abs().max()) if x.numel() else 0.0
+    if not torch.isfinite(torch.tensor(amax)):
+        raise ValueError("cannot scale a tensor that holds inf or nan")
+    return amax / constant if amax > 0 else 1.0
+
+
 def calibrated_scales(k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
     """(k_scale, v_scale) from one forward's keys and values, vLLM's calculate_kv_scales rule;
     a tensor of zeros (or none) gets scale 1.0."""
-
-    def scale(x: torch.Tensor, constant: float) -> float:
-        amax = float(x.abs().max()) if x.numel() else 0.0
-        if not torch.isfinite(torch.tensor(amax)):
-            raise ValueError("cannot calibrate an FP8 KV-cache scale on inf or nan")
-        return amax / constant if amax > 0 else 1.0
-
-    return scale(k, K_SCALE_CONSTANT), scale(v, V_SCALE_CONSTANT)
+    return amax_scale(k, K_SCALE_CONSTANT), amax_scale(v, V_SCALE_CONSTANT)

@@ -264,7 +264,7 @@ class ServerMetrics:
         times_seen, tokens_seen = self._seen.get(output.request_id, (0, 0))
         times = m.token_times
         if times_seen == 0 and times:
-            self.ttft.observe(times[0] - m.arrival_time)
+            self.ttft.observe(m.ttft_s)
             self.prompt_tokens.inc(len(output.prompt_token_ids))
         for earlier, later in pairwise(times[max(times_seen - 1, 0) :]):
             self.itl.observe(later - earlier)
@@ -277,8 +277,8 @@ class ServerMetrics:
         max_tokens = self._max_tokens.pop(output.request_id, None)
         if max_tokens:
             self.params_max_tokens.observe(max_tokens)
-        if m.finished_time is not None:
-            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.e2el_s is not None:
+            self.e2e.observe(m.e2el_s)
         if m.tpot_s is not None:
             self.tpot.observe(m.tpot_s)
         if m.queueing_time_s is not None:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minillm.worker.sampler import random_sample
+
 
 @dataclass(slots=True)
 class RejectionOutput:
@@ -47,21 +49,6 @@ def _uniform(
             n = num_draft_tokens[row]
             u[row, :n] = torch.rand(n, generator=row_generator, device=device)
     return u
-
-
-def sample_rows(
-    probs: torch.Tensor,
-    generators: Sequence[torch.Generator | None] | None,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """One token per row of probs [num_rows, vocab] (the exponential race, as the sampler
-    draws); row b uses generators[b] when it has one."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    for row, row_generator in enumerate(generators or ()):
-        if row_generator is not None:
-            noise[row].exponential_(generator=row_generator)
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
 
 
 def rejection_sample(
@@ -117,7 +104,8 @@ def rejection_sample(
     # p == q exactly leaves nothing to reject with; numerically, fall back to p
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p_next, residual)
-    extra = sample_rows(residual / residual.sum(dim=-1, keepdim=True), generators, generator)
+    residual = residual / residual.sum(dim=-1, keepdim=True)
+    extra = random_sample(residual, generators or (), generator)  # the sampler's own draw
     extra = torch.where(is_greedy, p_next.argmax(dim=-1), extra)
     num_accepted_list = num_accepted.tolist()
     drafts_list = drafts.tolist()

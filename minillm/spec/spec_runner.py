@@ -8,10 +8,10 @@ k draft tokens (`ScheduledRequest.num_lookahead_tokens`). This runner then
    (`spec_token_ids`, `num_new_tokens = 1 + len(drafts)`);
 2. runs the target once over the whole batch: prefill chunks as usual, and for each
    speculating request its last token and its drafts, k + 1 positions, each scored;
-3. verifies the drafts with the rejection sampler on the *processed* distributions: the
-   request's min_tokens mask and penalties (with the drafts before each position counted as
-   output, as vLLM does), then temperature, top-k and top-p, applied to the target's p and the
-   draft's q alike;
+3. verifies the drafts with the rejection sampler on the *processed* distributions, made by
+   the target's own `Sampler.processed_logits`: the request's min_tokens mask and penalties
+   (with the drafts before each position counted as output, as vLLM does), then temperature,
+   top-k and top-p, applied to the target's p and the draft's q alike;
 4. returns, for each speculating request, the accepted drafts plus one recovered or bonus
    token; the scheduler appends them and rolls the rejected slots back in both caches.
 
@@ -35,17 +35,9 @@ from minillm.sampling_params import SamplingParams
 from minillm.spec.config import SpeculativeConfig
 from minillm.spec.draft_proposer import DraftModelProposer, DraftRow, TokenChunk, _Tokens
 from minillm.spec.ngram_proposer import NgramProposer
-from minillm.spec.rejection_sampler import rejection_sample, sample_rows
+from minillm.spec.rejection_sampler import rejection_sample
 from minillm.worker.model_runner import ModelRunner, prepare_inputs
-from minillm.worker.sampler import (
-    SamplingState,
-    apply_min_tokens,
-    apply_penalties,
-    apply_temperature,
-    apply_top_k,
-    apply_top_p,
-    top_logprobs,
-)
+from minillm.worker.sampler import SamplingState, top_logprobs
 
 
 def unsupported_with_spec_decode(params: SamplingParams) -> str | None:
@@ -55,41 +47,6 @@ def unsupported_with_spec_decode(params: SamplingParams) -> str | None:
     if getattr(params, "structured_outputs", None) is not None:
         return "structured_outputs are not supported with speculative decoding in minillm"
     return None
-
-
-def processed_probs(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """The distribution each row samples from: the softmax of `processed_logits`."""
-    return processed_logits(logits, states).softmax(dim=-1)
-
-
-def processed_logits(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """The logits each row samples from, in the sampler's order: min_tokens mask, penalties,
-    then for sampling rows temperature, top-k and top-p (greedy rows stop after the
-    penalties, as in the sampler). logits: [num_rows, vocab]; returns float32."""
-    logits = logits.float()
-    params = [state.params for state in states]
-
-    def column(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=logits.device)
-
-    if any(len(s.output_token_ids) < s.params.min_tokens for s in states):
-        logits = apply_min_tokens(logits, states)
-    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params):
-        logits = apply_penalties(
-            logits,
-            [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states],
-            column("presence_penalty"),
-            column("frequency_penalty"),
-            column("repetition_penalty"),
-        )
-    is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-    logits = apply_temperature(logits, torch.where(is_greedy, 1.0, column("temperature")))
-    if any(p.top_k > 0 and not p.is_greedy for p in params):
-        logits = apply_top_k(logits, torch.where(is_greedy, 0, column("top_k", torch.int64)))
-    if any(p.top_p < 1 and not p.is_greedy for p in params):
-        logits = apply_top_p(logits, torch.where(is_greedy, 1.0, column("top_p")))
-    return logits
 
 
 @dataclass(slots=True)
@@ -261,7 +218,7 @@ class SpecDecodeRunner:
                 for chunk in wanting
             ]
             proposals, qs = self.draft.propose(
-                catch_up, rows, processed_probs, self._state, self._sample
+                catch_up, rows, self._processed_probs, self._state, self._sample
             )
             q_by_id = {chunk.request.request_id: q for chunk, q in zip(wanting, qs, strict=True)}
         # set, not adjusted: a step run again request by request proposes again
@@ -281,13 +238,19 @@ class SpecDecodeRunner:
             eos_token_ids=request.eos_token_ids,
         )
 
+    def _processed_probs(
+        self, logits: torch.Tensor, states: Sequence[SamplingState]
+    ) -> torch.Tensor:
+        """The distribution each row samples from, as the target's sampler processes it."""
+        return self.target.sampler.processed_logits(logits, states).softmax(dim=-1)
+
     def _sample(
         self,
         probs: torch.Tensor,
         generators: list[torch.Generator | None],
         is_greedy: torch.Tensor,
     ) -> torch.Tensor:
-        sampled = sample_rows(probs, generators, self.target.sampler.generator)
+        sampled = self.target.sampler.draw(probs, generators)
         return torch.where(is_greedy, probs.argmax(dim=-1), sampled)
 
     def _verify(
@@ -301,7 +264,7 @@ class SpecDecodeRunner:
         for chunk in spec_rows:
             drafts = chunk.spec_token_ids
             states += [self._state(chunk.request, drafts[:j]) for j in range(len(drafts) + 1)]
-        processed = processed_logits(logits, states)
+        processed = self.target.sampler.processed_logits(logits, states)
         probs = processed.softmax(dim=-1)
         # what logprobs report (vLLM's logprobs_mode, as the sampler has it)
         mode = getattr(self.target.sampler, "logprobs_mode", "raw_logprobs")

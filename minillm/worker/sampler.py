@@ -261,6 +261,37 @@ class Sampler:
         if wants_logprobs and mode == "raw_logprobs":
             reported = logits.log_softmax(dim=-1)
 
+        processed = self.processed_logits(logits, requests)
+        token_ids = processed.argmax(dim=-1)  # greedy; ties go to the lowest token id
+        is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+        if not is_greedy.all():
+            sampled = self.draw(processed.softmax(dim=-1), [r.generator for r in requests])
+            token_ids = torch.where(is_greedy, token_ids, sampled)
+        if not wants_logprobs:
+            return SamplerOutput(token_ids.tolist(), None, [None] * len(params))
+        if mode == "processed_logprobs":
+            reported = processed.log_softmax(dim=-1)
+        elif mode == "processed_logits":
+            reported = processed
+
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            logprobs=reported.gather(-1, token_ids[:, None]).squeeze(-1).tolist(),
+            top_logprobs=top_logprobs(reported, [p.logprobs for p in params]),
+        )
+
+    def processed_logits(
+        self, logits: torch.Tensor, requests: Sequence[SamplingState]
+    ) -> torch.Tensor:
+        """The logits each row draws from: the chain of processors in the module docstring's
+        order (grammar mask, min_tokens, penalties, then temperature, top-k, top-p and min-p).
+
+        Greedy rows stop after the penalties: their token is the argmax of these logits.
+        Speculative decoding verifies drafts against exactly these (`minillm.spec`).
+        logits: [num_rows, vocab_size], raw; returns float32 [num_rows, vocab_size].
+        """
+        logits = logits.float()
+        params = [request.params for request in requests]
         grammar_mask = None
         if any(p.structured_outputs is not None for p in params):
             grammar_mask = self.grammar_masks(requests, logits)
@@ -283,26 +314,17 @@ class Sampler:
                 self._column(params, "frequency_penalty", logits),
                 self._column(params, "repetition_penalty", logits),
             )
-
-        token_ids = logits.argmax(dim=-1)  # greedy; ties go to the lowest token id
         is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-        processed = logits
-        if not is_greedy.all():
-            sampled, sample_logits = self._sample(logits, requests, is_greedy)
-            token_ids = torch.where(is_greedy, token_ids, sampled)
-            processed = torch.where(is_greedy[:, None], logits, sample_logits)
-        if not wants_logprobs:
-            return SamplerOutput(token_ids.tolist(), None, [None] * len(params))
-        if mode == "processed_logprobs":
-            reported = processed.log_softmax(dim=-1)
-        elif mode == "processed_logits":
-            reported = processed
+        if is_greedy.all():
+            return logits
+        return torch.where(is_greedy[:, None], logits, self._filter(logits, params, is_greedy))
 
-        return SamplerOutput(
-            token_ids=token_ids.tolist(),
-            logprobs=reported.gather(-1, token_ids[:, None]).squeeze(-1).tolist(),
-            top_logprobs=top_logprobs(reported, [p.logprobs for p in params]),
-        )
+    def draw(
+        self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+    ) -> torch.Tensor:
+        """One token per row of probs: [num_rows, vocab_size] (`random_sample`); row b draws
+        from generators[b] when it has one, the others from the sampler's shared generator."""
+        return random_sample(probs, generators, self.generator)
 
     def grammar_masks(
         self, requests: Sequence[SamplingState], logits: torch.Tensor
@@ -329,14 +351,13 @@ class Sampler:
             rows.append(mask[:vocab_size])
         return torch.stack(rows).to(logits.device)
 
-    def _sample(
-        self, logits: torch.Tensor, requests: Sequence[SamplingState], is_greedy: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Temperature, the filters that some row asks for, then one random draw per row.
-        Returns the tokens and the processed logits they were drawn from."""
-        params = [request.params for request in requests]
+    def _filter(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], is_greedy: torch.Tensor
+    ) -> torch.Tensor:
+        """Temperature, then the filters that some row asks for (the sampling rows' part of
+        the chain)."""
         temperature = self._column(params, "temperature", logits)
-        # greedy rows' draws are discarded; T = 1 just keeps their arithmetic finite
+        # greedy rows' results are discarded; T = 1 just keeps their arithmetic finite
         logits = apply_temperature(logits, torch.where(is_greedy, 1.0, temperature))
         if any(p.top_k > 0 for p in params):
             logits = apply_top_k(logits, self._column(params, "top_k", logits, torch.int64))
@@ -344,8 +365,7 @@ class Sampler:
             logits = apply_top_p(logits, self._column(params, "top_p", logits))
         if any(p.min_p > 0 for p in params):
             logits = apply_min_p(logits, self._column(params, "min_p", logits))
-        generators = [request.generator for request in requests]
-        return random_sample(logits.softmax(dim=-1), generators, self.generator), logits
+        return logits
 
     @staticmethod
     def _column(

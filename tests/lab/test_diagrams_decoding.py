@@ -38,7 +38,8 @@ def test_pipeline_order_is_the_order_the_sampler_runs():
 def test_source_order_is_read_from_the_sampler_itself():
     # an independent reading: the line on which each processor is first called
     lines = {}
-    for function in (sampler_module.Sampler.__call__, sampler_module.Sampler._sample):
+    sampler = sampler_module.Sampler
+    for function in (sampler.__call__, sampler.processed_logits, sampler._filter, sampler.draw):
         source = textwrap.dedent(inspect.getsource(function))
         start = inspect.getsourcelines(function)[1]
         for node in ast.walk(ast.parse(source)):
@@ -47,7 +48,8 @@ def test_source_order_is_read_from_the_sampler_itself():
                 lines.setdefault(name, start + node.lineno)
     top_k_before_top_p = lines["apply_top_k"] < lines["apply_top_p"] < lines["apply_min_p"]
     assert top_k_before_top_p
-    assert lines["apply_penalties"] < lines["_sample"]
+    assert lines["apply_penalties"] < lines["_filter"]
+    assert lines["processed_logits"] < lines["draw"]
 
 
 def test_a_changed_stage_list_changes_the_picture():

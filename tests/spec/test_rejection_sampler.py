@@ -15,7 +15,8 @@ import pytest
 import torch
 from spec_models import chi_square_p_value
 
-from minillm.spec.rejection_sampler import RejectionOutput, rejection_sample, sample_rows
+from minillm.spec.rejection_sampler import RejectionOutput, rejection_sample
+from minillm.worker.sampler import random_sample
 
 VOCAB = 16
 NUM_SAMPLES = 40_000
@@ -45,7 +46,7 @@ def dists():
 def draw_at(target_probs, positions, generator) -> list[int]:
     """One draw per row from the target's distribution at that row's position."""
     rows = torch.arange(len(positions))
-    return sample_rows(target_probs[rows, torch.tensor(positions)], None, generator).tolist()
+    return random_sample(target_probs[rows, torch.tensor(positions)], (), generator).tolist()
 
 
 def broken_greedy_rule(target_probs, draft_tokens, num_draft, draft_probs, generator):

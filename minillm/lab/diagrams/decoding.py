@@ -3,7 +3,8 @@ grammar's token mask, each drawn from the engine's own code or from a real run.
 
 - `traced_sampler_stages` runs the engine's `Sampler` on one row that asks for every
   processor and records the order in which its functions are called;
-  `source_sampler_stages` reads the same order from the source of `Sampler.__call__`;
+  `source_sampler_stages` reads the same order from the source of `Sampler.__call__` and
+  the methods it calls;
   `draw_sampler_pipeline` draws a list of stages;
 - `record_spec_rounds` records every verification of a real speculative run (drafts, how
   many were accepted, the tokens emitted); `draw_spec_round` draws one;
@@ -106,16 +107,20 @@ def _calls_in_order(function) -> list[str]:
 
 
 def source_sampler_stages() -> list[str]:
-    """The stages in the order `Sampler.__call__` (and `_sample`, where it is called) names
-    them in its source."""
-    inner = [STAGES[n] for n in _calls_in_order(sampler_module.Sampler._sample) if n in STAGES]
-    stages = ["logits"]
-    for name in _calls_in_order(sampler_module.Sampler.__call__):
-        if name == "_sample":
-            stages += inner
-        elif name in STAGES:
-            stages.append(STAGES[name])
-    return stages
+    """The stages in the order `Sampler.__call__` names them in its source, read into the
+    sampler's own methods where it calls them (`processed_logits`, `draw`)."""
+    sampler = sampler_module.Sampler
+
+    def stages_of(function, seen: frozenset[str]) -> list[str]:
+        stages = []
+        for name in _calls_in_order(function):
+            if name in STAGES:
+                stages.append(STAGES[name])
+            elif name not in seen and inspect.isfunction(getattr(sampler, name, None)):
+                stages += stages_of(getattr(sampler, name), seen | {name})
+        return stages
+
+    return ["logits", *stages_of(sampler.__call__, frozenset({"__call__"}))]
 
 
 def draw_sampler_pipeline(stages: Sequence[str]) -> Canvas:
