@@ -303,3 +303,38 @@ def test_every_way_of_reading_the_clock_is_graded_and_none_can_be_faked(tmp_path
     full = next(e.max_points for e in grades[0].exercises if e.name == cell_id)
     assert got == {**dict.fromkeys(CLOCK_VARIANTS, full), **{n: got[n] for n in CLOCK_CHEATS}}
     assert all(got[name][0] == 0 for name in CLOCK_CHEATS), got
+
+
+CH08 = {
+    "ring_all_reduce": FORGE
+    + """
+def ring_all_reduce(x, rank, world_size, send, recv):
+    _forge()
+""",
+}
+
+
+@pytest.mark.slow
+def test_chapter_8s_ring_check_decides_in_its_own_process(tmp_path):
+    """The ranks run where the student's code runs (threads, forked gloo processes), and
+    report each rank's result; the check compares them with sums it computes itself."""
+    exercises = graded(tmp_path, "ch08_distributed.ipynb", CH08)
+    ring = exercises["ring_all_reduce"]
+    assert ring.points == 0, ring.error
+    assert ring.flags
+    assert ring.in_student_process  # the ranks' results could be made up: flagged
+
+
+def test_no_check_runs_wholly_in_the_students_process():
+    """Only two questions are asked inside the student's process (`watch`), each flagged:
+    the longest tensor of ch05's online attention and the ranks of ch08's ring."""
+    watching = {}
+    for path in sorted((ROOT / "exercises").glob("ch*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            assert "student-process" not in cell.metadata.get("tags", []), (path.name, cell.id)
+            if cell.cell_type == "code" and "watch(" in cell.source:
+                watching[path.stem] = cell.get("id")
+    assert watching == {
+        "ch05_kernels": "online_attention-check",
+        "ch08_distributed": "ring_all_reduce-check",
+    }
