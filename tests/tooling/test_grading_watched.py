@@ -300,6 +300,8 @@ def test_every_way_of_reading_the_clock_is_graded_and_none_can_be_faked(tmp_path
         [exercise] = [e for e in grade.exercises if e.name == cell_id]
         got[name] = exercise.points if exercise.passed else (exercise.points, exercise.error)
         assert not exercise.in_student_process
+    solution = grades[list(cases).index("time.perf_counter")]  # the solution as it is
+    assert solution.points == solution.max_points, [e.error for e in solution.exercises]
     full = next(e.max_points for e in grades[0].exercises if e.name == cell_id)
     assert got == {**dict.fromkeys(CLOCK_VARIANTS, full), **{n: got[n] for n in CLOCK_CHEATS}}
     assert all(got[name][0] == 0 for name in CLOCK_CHEATS), got
