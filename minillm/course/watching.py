@@ -45,13 +45,26 @@ def lend(name: str, value: object) -> None:
         return
     caller[name] = value
     if isinstance(value, Clock):  # the clocks the student's code imported by name, too
-        for key, held in list(caller.items()):
-            if held is time:
-                caller[key] = value
-            else:
-                for clock in CLOCKS:
-                    if held is getattr(time, clock):
-                        caller[key] = getattr(value, clock)
+        for names in _notebook_namespaces(caller):
+            names[name] = value
+            for key, held in list(names.items()):
+                if held is time:
+                    names[key] = value
+                else:
+                    for clock in CLOCKS:
+                        if held is getattr(time, clock):
+                            names[key] = getattr(value, clock)
+
+
+def _notebook_namespaces(caller: dict) -> list[dict]:
+    """The caller's namespace, and that of each function in it that a notebook defined
+    (one whose globals are not a module's): where a lent clock must be seen."""
+    found = {id(caller): caller}
+    for value in list(caller.values()):
+        names = getattr(value, "__globals__", None)
+        if type(names) is dict and names.get("__name__", "__main__") == "__main__":
+            found.setdefault(id(names), names)
+    return list(found.values())
 
 
 def watch(source: str, **values: object) -> object:
