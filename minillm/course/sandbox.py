@@ -32,13 +32,15 @@ submission, a *check process* that
 
 A check that watches the student's code at work lends it its own objects
 (`minillm.course.watching.lend`: the student's global then names the check's object, and
-each call runs here, where the check records it), runs a harness of its own where the
-student's code runs and verifies the result against its own records (`drive`), or asks
-one question only that process can answer (`watch`: the exercise's result then says it
-was checked partly in the student's process). A check that replaces an attribute of an
-object it did not create and did not lend, defines a torch function mode, or carries the
-tag `student-process` runs in the student's process instead, and its result says so:
-there, a pass can be forged.
+each call runs here, where the check records it; a check that lends `time` has the
+student's process forward its `time` module's clocks to the lent one, before the
+student's code runs, so that a clock imported by name is the check's too), runs a
+harness of its own where the student's code runs and verifies the result against its
+own records (`drive`), or asks one question only that process can answer (`watch`: the
+exercise's result then says it was checked partly in the student's process). A check
+that replaces an attribute of an object it did not create and did not lend, defines a
+torch function mode, or carries the tag `student-process` runs in the student's process
+instead, and its result says so: there, a pass can be forged.
 
 A crash or a hang loses only that exercise: the time limit kills the check process's
 whole process group, the student's process with it. The result of each child is reported
