@@ -71,7 +71,7 @@ from minillm.course.notebook_io import (  # noqa: F401  (the book reads graded p
     parse_notebook,
     read_notebook,
 )
-from minillm.course.sandbox import landlock_abi, process_limit_warning
+from minillm.course.sandbox import limits_not_applied
 
 DEFAULT_TIMEOUT_S = 60
 SETUP_TIMEOUT_S = 600  # a setup cell of the reference (loading a model, say)
@@ -136,6 +136,8 @@ class NotebookGrade:
     reference: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
     flags: list[str] = dataclasses.field(default_factory=list)  # of the notebook as a whole
+    # the limits on the student's process this machine could not apply (see the sandbox)
+    limits_not_applied: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def points(self) -> int:
@@ -163,6 +165,7 @@ class NotebookGrade:
             "error": self.error,
             "notes": self.notes,
             "flags": self.all_flags(),
+            "limits_not_applied": self.limits_not_applied,
             "exercises": [e.to_dict() for e in self.exercises],
         }
 
@@ -738,7 +741,10 @@ def grade_notebooks(
             groups[key] = _Group(key, ref)
         groups[key].submissions.append(_Submission(path, grade, code))
 
+    missing = limits_not_applied(confine) if groups else []
     for group in groups.values():
+        for sub in group.submissions:
+            sub.grade.limits_not_applied = list(missing)
         reported = set()
 
         def on_event(event: dict, group: _Group = group, reported: set = reported) -> None:
@@ -876,6 +882,8 @@ def format_feedback(grade: NotebookGrade) -> str:
         lines.append(f"  note: {note}")
     for flag in grade.flags:
         lines.append(f"  flag: {flag}")
+    for limit in grade.limits_not_applied:
+        lines.append(f"  limit not applied: {limit}")
     lines.append(f"  {'total':>8}  {'':<{width}}  {f'{grade.points}/{grade.max_points}':>6}")
     return "\n".join(line.rstrip() for line in lines)
 
@@ -936,6 +944,8 @@ def format_summary(grades: list[NotebookGrade]) -> str:
                 "checked in the student's own process, where a pass can be forged (read these "
                 f"answers): exercise {', '.join(str(n) for n in inside)}"
             )
+        for limit in dict.fromkeys(m for g in group for m in g.limits_not_applied):
+            lines.append(f"limit not applied: {limit}")
         if flagged:
             lines.append(
                 "flags: read these answers before counting their points (the feedback and the "
@@ -1005,6 +1015,7 @@ def write_report(grades: list[NotebookGrade], report: pathlib.Path) -> list[path
                 "max_points",
                 "error",
                 "flags",
+                "limits_not_applied",
             ]
         )
         for grade in grades:
@@ -1018,6 +1029,7 @@ def write_report(grades: list[NotebookGrade], report: pathlib.Path) -> list[path
                 grade.max_points,
                 grade.error or "",
                 " | ".join(grade.all_flags()),
+                " | ".join(grade.limits_not_applied),
             ]
             writer.writerow([_cell(v) for v in row])
     detail = report.with_name(report.stem + ".exercises.csv")
@@ -1040,6 +1052,7 @@ def write_report(grades: list[NotebookGrade], report: pathlib.Path) -> list[path
                 "raised_at",
                 "notes",
                 "flags",
+                "limits_not_applied",
             ]
         )
         for grade in grades:
@@ -1060,6 +1073,7 @@ def write_report(grades: list[NotebookGrade], report: pathlib.Path) -> list[path
                     e.where or "",
                     " | ".join(e.notes + grade.notes),
                     " | ".join(grade.flags + e.flags),
+                    " | ".join(grade.limits_not_applied),
                 ]
                 writer.writerow([_cell(v) for v in row])
     return [report, detail]
@@ -1177,15 +1191,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     for problem in grading_problems:
         print(f"minillm grade: {problem}", file=sys.stderr)
-    limit_warning = process_limit_warning()
-    if args.reference is not None and grades and limit_warning:
-        print(f"minillm grade: warning: {limit_warning}", file=sys.stderr)
-    if args.reference is not None and grades and not landlock_abi():
-        print(
-            "minillm grade: warning: this system has no Linux Landlock, so a submission's code "
-            "could read or write any file you can; grade untrusted work in a container",
-            file=sys.stderr,
-        )
+    for limit in dict.fromkeys(m for g in grades for m in g.limits_not_applied):
+        print(f"minillm grade: warning: limit not applied: {limit}", file=sys.stderr)
     if len(grades) == 1:
         print(format_feedback(grades[0]))
     elif grades:

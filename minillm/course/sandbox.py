@@ -32,13 +32,15 @@ submission, a *check process* that
 
 A check that watches the student's code at work lends it its own objects
 (`minillm.course.watching.lend`: the student's global then names the check's object, and
-each call runs here, where the check records it), runs a harness of its own where the
-student's code runs and verifies the result against its own records (`drive`), or asks
-one question only that process can answer (`watch`: the exercise's result then says it
-was checked partly in the student's process). A check that replaces an attribute of an
-object it did not create and did not lend, defines a torch function mode, or carries the
-tag `student-process` runs in the student's process instead, and its result says so:
-there, a pass can be forged.
+each call runs here, where the check records it; a check that lends `time` has the
+student's process forward its `time` module's clocks to the lent one, before the
+student's code runs, so that a clock imported by name is the check's too), runs a
+harness of its own where the student's code runs and verifies the result against its
+own records (`drive`), or asks one question only that process can answer (`watch`: the
+exercise's result then says it was checked partly in the student's process). A check
+that replaces an attribute of an object it did not create and did not lend, defines a
+torch function mode, or carries the tag `student-process` runs in the student's process
+instead, and its result says so: there, a pass can be forged.
 
 A crash or a hang loses only that exercise: the time limit kills the check process's
 whole process group, the student's process with it. The result of each child is reported
@@ -663,6 +665,55 @@ def process_limit_warning() -> str | None:
     )
 
 
+def limits_not_applied(confine: bool = True) -> list[str]:
+    """Each limit on a submission's process that this machine does not apply, and why: the
+    grader puts them in every report, since a grade is only as safe as they are. Tried in a
+    throwaway child, as `_student` applies them."""
+    missing = []
+    if process_limit_warning() is not None:
+        missing.append(
+            "RLIMIT_NPROC: the grader runs as root, whom the kernel does not hold to it, so the "
+            "number of processes a submission starts is limited only by the time limit, which "
+            "kills them all"
+        )
+    if not hasattr(os, "fork"):
+        return missing + ["resource limits, seccomp and Landlock: this system has no fork"]
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            refused = limit_resources(60.0, DEFAULT_MEMORY_GIB)
+            network = sys.platform.startswith("linux") and deny_network()
+            os.write(write_end, json.dumps({"refused": refused, "seccomp": network}).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    try:
+        probe = json.loads(data)
+    except ValueError:
+        probe = {"refused": ["every resource limit"], "seccomp": False}
+    missing.extend(f"{name}: the system refused it" for name in probe["refused"])
+    if not probe["seccomp"]:
+        missing.append(
+            "seccomp: not available here, so a submission's code can open network sockets"
+        )
+    if not confine:
+        missing.append(
+            "Landlock: not asked for, so a submission's code can read and write "
+            "any file the grader can"
+        )
+    elif not landlock_abi():
+        missing.append(
+            "Landlock: not in this system's kernel, so a submission's code can read and write "
+            "any file the grader can; grade untrusted work in a container"
+        )
+    return missing
+
+
 # seccomp: socket() for anything but AF_UNIX, and io_uring (which makes sockets without it),
 # fail with EACCES; so does every system call of another architecture's ABI
 SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 425), "aarch64": (0xC00000B7, 198, 425)}
@@ -1097,6 +1148,8 @@ def _student(grader: Grader, k: int, submission: dict, workdir: str, sock, check
         deny_network()
     if grader.abi:
         confine(grader.abi, workdir, grader.readable, network=network)
+    # a check that lends the clock sees it read whichever way the student's code reads it
+    clock = _forward_clocks() if "time" in _lent(check[2]) else None
     # after the fork (which resets some of threading's state), before the student's code
     snapshot = Snapshot(grader.namespace)
     changes = snapshot.changes
@@ -1134,10 +1187,50 @@ def _student(grader: Grader, k: int, submission: dict, workdir: str, sock, check
     conn.exported[0] = lambda: {"names": names, "notes": notes}
     conn.exported[1] = lambda: changes()
     conn.exported[2] = lambda: _check_here(setup, names, conn.sources, *check)
-    conn.exported[3] = lambda name, value: student.__setitem__(str(name), value)
+    conn.exported[3] = lambda name, value: _bind(student, clock, str(name), value)
     conn.exported[4] = lambda source, values: _watch_here(setup, names, source, values)
     conn.serve_forever()
     os._exit(0)
+
+
+CLOCKS = ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time", "time_ns")
+
+
+def _forward_clocks() -> list:
+    """Make the `time` module's clocks (and `timeit.default_timer`) in this process read the
+    clock the check lends as `time`, once it lends one, so that a clock the student's code
+    imports by name (`from time import perf_counter`) or through another name
+    (`import time as t`) is the check's too. Returns the holder of the lent clock."""
+    import timeit
+
+    lent: list = [None]
+
+    def forwarding(name: str, own):
+        def read():
+            clock = lent[0]
+            return own() if clock is None else getattr(clock, name)()
+
+        read.__name__ = read.__qualname__ = name
+        return read
+
+    for name in CLOCKS:
+        setattr(time, name, forwarding(name, getattr(time, name)))
+    timeit.default_timer = time.perf_counter
+    return lent
+
+
+def _bind(student: dict, clock: list | None, name: str, value: object) -> None:
+    """The check lends `value` as the student's `name` (see `watching.lend`)."""
+    student[name] = value
+    if name == "time" and clock is not None:
+        clock[0] = value
+
+
+def _lent(check_source: str) -> set[str]:
+    try:
+        return lent_names(ast.parse(check_source))
+    except SyntaxError:
+        return set()
 
 
 def _check_here(setup: dict, names: dict, sources: dict, code, filename, check_source) -> dict:

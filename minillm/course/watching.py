@@ -29,6 +29,7 @@ the harness's result against what those functions recorded.
 from __future__ import annotations
 
 import sys
+import time
 
 LEND_HOOK = "_minillm_lend"  # set by the grader in the check's namespace
 WATCH_HOOK = "_minillm_watch"
@@ -43,6 +44,27 @@ def lend(name: str, value: object) -> None:
         hook(name, value)
         return
     caller[name] = value
+    if isinstance(value, Clock):  # the clocks the student's code imported by name, too
+        for names in _notebook_namespaces(caller):
+            names[name] = value
+            for key, held in list(names.items()):
+                if held is time:
+                    names[key] = value
+                else:
+                    for clock in CLOCKS:
+                        if held is getattr(time, clock):
+                            names[key] = getattr(value, clock)
+
+
+def _notebook_namespaces(caller: dict) -> list[dict]:
+    """The caller's namespace, and that of each function in it that a notebook defined
+    (one whose globals are not a module's): where a lent clock must be seen."""
+    found = {id(caller): caller}
+    for value in list(caller.values()):
+        names = getattr(value, "__globals__", None)
+        if type(names) is dict and names.get("__name__", "__main__") == "__main__":
+            found.setdefault(id(names), names)
+    return list(found.values())
 
 
 def watch(source: str, **values: object) -> object:
@@ -67,3 +89,59 @@ def drive(source: str, **values: object) -> object:
     namespace.update(values)
     exec(compile(source, "<the check>", "exec"), namespace)
     return namespace.get("result")
+
+
+# the ways Python reads a wall clock; a lent `Clock` logs each of them
+CLOCKS = ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time", "time_ns")
+
+
+class Reading:
+    """One reading of a clock, as the student's code got it. Two readings of the same clock
+    subtract to the seconds between them, in that clock's own arithmetic (an `_ns` clock's
+    nanoseconds are an int, as the student's code saw them)."""
+
+    __slots__ = ("clock", "value")
+
+    def __init__(self, clock: str, value: float | int) -> None:
+        self.clock, self.value = clock, value
+
+    def __sub__(self, earlier: Reading) -> float:
+        if not isinstance(earlier, Reading):
+            return NotImplemented
+        if self.clock.removesuffix("_ns") != earlier.clock.removesuffix("_ns"):
+            raise ValueError(f"time.{earlier.clock}() and time.{self.clock}() are different clocks")
+        if self.clock == earlier.clock and self.clock.endswith("_ns"):
+            return (self.value - earlier.value) / 1e9
+        return self.seconds - earlier.seconds
+
+    @property
+    def seconds(self) -> float:
+        return self.value / 1e9 if self.clock.endswith("_ns") else self.value
+
+    def __repr__(self) -> str:
+        return f"Reading({self.clock!r}, {self.value!r})"
+
+
+class Clock:
+    """The check's stand-in for the `time` module, to lend as the student's `time`: each
+    reading of a clock in `CLOCKS` is appended to `log` as ("clock", Reading). When a check
+    is graded, the student's process forwards its own `time` module's clocks to the lent
+    one, so `from time import perf_counter`, `import time as t` and `timeit.default_timer`
+    are seen too. Everything else (`sleep`, ...) is the `time` module's."""
+
+    def __init__(self, log: list) -> None:
+        self._log = log
+        for name in CLOCKS:
+            setattr(self, name, self._logged(name, getattr(time, name)))
+
+    def _logged(self, name: str, read):
+        def reading():
+            value = read()
+            self._log.append(("clock", Reading(name, value)))
+            return value
+
+        reading.__name__ = name
+        return reading
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)

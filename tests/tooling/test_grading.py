@@ -19,6 +19,7 @@ from minillm.cli.main import main
 from minillm.course.grading import (
     ExerciseGrade,
     NotebookGrade,
+    format_summary,
     grade_notebook,
     grade_notebooks,
     graded_points,
@@ -521,19 +522,49 @@ def test_csv_cells_never_start_a_formula(tmp_path):
 
 
 @pytest.mark.parametrize("euid", [0, 1000])
-def test_cli_says_when_the_process_limit_cannot_hold(class_folder, capsys, monkeypatch, euid):
-    """The kernel does not hold root to RLIMIT_NPROC: grading as root says so."""
+def test_every_report_says_when_the_process_limit_cannot_hold(
+    class_folder, capsys, monkeypatch, tmp_path, euid
+):
+    """The kernel does not hold root to RLIMIT_NPROC: grading as root says so, in the
+    feedback, the table, the CSV and the JSON, not only on stderr."""
     import minillm.course.sandbox as sandbox
 
     monkeypatch.setattr(sandbox.os, "geteuid", lambda: euid)
     path = class_folder / "submissions" / "bob" / "attempt2.ipynb"
-    main(["grade", str(path), "--reference", str(class_folder / "exercises")])
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "RLIMIT_NPROC" in line]
+    reference = str(class_folder / "exercises")
+    main(["grade", str(path), "--reference", reference, "--report", str(tmp_path / "g.csv")])
+    main(["grade", str(path), "--reference", reference, "--report", str(tmp_path / "g.json")])
+    out, err = capsys.readouterr()
+    warnings = [line for line in err.splitlines() if "RLIMIT_NPROC" in line]
+    feedback = [line for line in out.splitlines() if "RLIMIT_NPROC" in line]
+    [row] = list(csv.DictReader((tmp_path / "g.csv").open(encoding="utf-8")))
+    details = list(csv.DictReader((tmp_path / "g.exercises.csv").open(encoding="utf-8")))
+    [notebook] = json.loads((tmp_path / "g.json").read_text())["notebooks"]
+    limits = [m for m in notebook["limits_not_applied"] if m.startswith("RLIMIT_NPROC")]
     if euid == 0:
-        assert warnings == [
-            "minillm grade: warning: grading runs as root, whom the kernel does not hold to "
-            "RLIMIT_NPROC, so the number of processes a submission starts is not limited; "
-            "grade as another user"
+        assert limits == [
+            "RLIMIT_NPROC: the grader runs as root, whom the kernel does not hold to it, so the "
+            "number of processes a submission starts is limited only by the time limit, which "
+            "kills them all"
         ]
+        assert warnings == [f"minillm grade: warning: limit not applied: {limits[0]}"] * 2
+        assert feedback == [f"  limit not applied: {limits[0]}"] * 2
+        assert limits[0] in row["limits_not_applied"]
+        assert all(limits[0] in d["limits_not_applied"] for d in details)
     else:
-        assert warnings == []
+        assert (limits, warnings, feedback) == ([], [], [])
+        assert "RLIMIT_NPROC" not in row["limits_not_applied"]
+
+
+def test_the_class_table_names_each_limit_not_applied():
+    exercise = ExerciseGrade(1, "double", "Double", 2, passed=True)
+    missing = ["seccomp: not available here", "Landlock: not in this system's kernel"]
+    grades = [
+        NotebookGrade(f"{who}.ipynb", [exercise], reference="ref.ipynb", limits_not_applied=missing)
+        for who in ("a", "b")
+    ]
+    lines = format_summary(grades).splitlines()
+    assert [line for line in lines if line.startswith("limit not applied")] == [
+        "limit not applied: seccomp: not available here",
+        "limit not applied: Landlock: not in this system's kernel",
+    ]

@@ -482,6 +482,8 @@ def test_importing_torch_is_not_tampering(tmp_path):
 
 def test_the_students_process_is_limited(cheats):
     output = cheats["grades"]["probe the limits"].exercises[1].output
+    missing = " ".join(cheats["grades"]["probe the limits"].limits_not_applied)
+    assert ("RLIMIT_NPROC" in missing) == (os.geteuid() == 0), missing
     assert "no secret" in output
     for name in ("RLIMIT_DATA", "RLIMIT_FSIZE", "RLIMIT_CPU", "RLIMIT_NPROC", "RLIMIT_CORE"):
         assert f"{name} True" in output

@@ -233,3 +233,110 @@ def test_a_lent_object_sees_the_students_calls_and_a_watched_check_is_flagged(tm
     assert [e.passed for e in good.exercises] == [True, True]
     assert [e.in_student_process for e in good.exercises] == [False, True]
     assert not bad.exercises[0].passed and "once per value" in bad.exercises[0].error
+
+
+# every ordinary way of reading the clock in Python, each a rewrite of the solution's
+# `start = time.perf_counter()` ... `time.perf_counter() - start`
+CLOCK_VARIANTS = {
+    "time.perf_counter": ("", {}),
+    "from time import perf_counter": (
+        "from time import perf_counter\n",
+        {"time.perf_counter()": "perf_counter()"},
+    ),
+    "import time as t": ("import time as t\n", {"time.perf_counter()": "t.perf_counter()"}),
+    "from time import monotonic": (
+        "from time import monotonic\n",
+        {"time.perf_counter()": "monotonic()"},
+    ),
+    "time.perf_counter_ns": (
+        "",
+        {
+            "start = time.perf_counter()": "start = time.perf_counter_ns()",
+            "time.perf_counter() - start": "(time.perf_counter_ns() - start) / 1e9",
+        },
+    ),
+    "time.time": ("", {"time.perf_counter()": "time.time()"}),
+    "timeit.default_timer": (
+        "from timeit import default_timer\n",
+        {"time.perf_counter()": "default_timer()"},
+    ),
+}
+# what does not time the work: a made-up number after honest readings, and a clock that
+# counts the CPU time of the student's process (the work runs in the check's)
+CLOCK_CHEATS = {
+    "a constant": ("", {"time.perf_counter() - start": "0 * (time.perf_counter() - start) + 0.01"}),
+    "another clock": ("", {"time.perf_counter()": "time.process_time()"}),
+}
+TIMED = {
+    "ch01_request_journey": "time_next_token",
+    "ch02_roofline": "fastest_decode_step_s",
+    "ch05_kernels": "ops_per_decode_step",
+}
+
+
+def rewritten(tmp_path, chapter: str, cell_id: str, name: str, variant) -> pathlib.Path:
+    prefix, replacements = variant
+    nb = nbformat.read(ROOT / "solutions" / f"{chapter}.ipynb", as_version=4)
+    [cell] = [c for c in nb.cells if c.get("id") == cell_id]
+    source = cell.source
+    for old, new in replacements.items():
+        assert old in source, (chapter, name, old)
+        source = source.replace(old, new)
+    cell.source = prefix + source
+    slug = "".join(ch if ch.isalnum() else "_" for ch in name)
+    return write_notebook(tmp_path / chapter / f"{slug}.ipynb", nb)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chapter", TIMED)
+def test_every_way_of_reading_the_clock_is_graded_and_none_can_be_faked(tmp_path, chapter):
+    cell_id = TIMED[chapter]
+    cases = {**CLOCK_VARIANTS, **CLOCK_CHEATS}
+    paths = [rewritten(tmp_path, chapter, cell_id, name, v) for name, v in cases.items()]
+    grades, problems = grade_notebooks(paths, reference=ROOT / "exercises", jobs=2)
+    assert problems == []
+    got = {}
+    for name, grade in zip(cases, grades, strict=True):
+        [exercise] = [e for e in grade.exercises if e.name == cell_id]
+        got[name] = exercise.points if exercise.passed else (exercise.points, exercise.error)
+        assert not exercise.in_student_process
+    solution = grades[list(cases).index("time.perf_counter")]  # the solution as it is
+    assert solution.points == solution.max_points, [e.error for e in solution.exercises]
+    full = next(e.max_points for e in grades[0].exercises if e.name == cell_id)
+    assert got == {**dict.fromkeys(CLOCK_VARIANTS, full), **{n: got[n] for n in CLOCK_CHEATS}}
+    assert all(got[name][0] == 0 for name in CLOCK_CHEATS), got
+
+
+CH08 = {
+    "ring_all_reduce": FORGE
+    + """
+def ring_all_reduce(x, rank, world_size, send, recv):
+    _forge()
+""",
+}
+
+
+@pytest.mark.slow
+def test_chapter_8s_ring_check_decides_in_its_own_process(tmp_path):
+    """The ranks run where the student's code runs (threads, forked gloo processes), and
+    report each rank's result; the check compares them with sums it computes itself."""
+    exercises = graded(tmp_path, "ch08_distributed.ipynb", CH08)
+    ring = exercises["ring_all_reduce"]
+    assert ring.points == 0, ring.error
+    assert ring.flags
+    assert ring.in_student_process  # the ranks' results could be made up: flagged
+
+
+def test_no_check_runs_wholly_in_the_students_process():
+    """Only two questions are asked inside the student's process (`watch`), each flagged:
+    the longest tensor of ch05's online attention and the ranks of ch08's ring."""
+    watching = {}
+    for path in sorted((ROOT / "exercises").glob("ch*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            assert "student-process" not in cell.metadata.get("tags", []), (path.name, cell.id)
+            if cell.cell_type == "code" and "watch(" in cell.source:
+                watching[path.stem] = cell.get("id")
+    assert watching == {
+        "ch05_kernels": "online_attention-check",
+        "ch08_distributed": "ring_all_reduce-check",
+    }
