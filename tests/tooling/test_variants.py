@@ -175,3 +175,45 @@ def test_cli_writes_the_variant_only_where_git_would_not_commit_it(tmp_path, cap
         assert "CLASS_SEED = 's'" in (out / "ex.ipynb").read_text()
         assert (out / "conftest.py").exists()
     assert not (repo / "exercises").exists()  # the public release is left alone
+
+
+CHECK = """
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillm.course.variants import class_examples
+
+seen = []
+
+
+@class_examples
+@settings(max_examples=10, derandomize=True, database=None, deadline=None)
+@given(st.integers(0, 10**9))
+def check(n):
+    seen.append(n)
+
+
+check()
+"""
+
+
+def examples(seed) -> list[int]:
+    """The examples a Hypothesis check marked `class_examples` is given in a cell that
+    defines CLASS_SEED = seed (None: the public edition)."""
+    namespace = {} if seed is None else {"CLASS_SEED": seed}
+    exec(CHECK, namespace)
+    return namespace["seen"]
+
+
+def test_class_examples_keeps_the_public_examples_and_draws_each_class_its_own():
+    public = examples(None)
+    assert examples(None) == public  # derandomized: the same questions on every run
+    fall = examples("fall")
+    assert examples("fall") == fall  # a class's examples are the same on every run
+    assert fall != public
+    assert examples("spring") not in (fall, public)
+
+
+def test_class_examples_refuses_an_empty_seed():
+    with pytest.raises(ValueError, match="non-empty"):
+        examples(" ")
