@@ -19,7 +19,13 @@ import pytest
 from minillm.cli.main import main
 from minillm.course import variants
 from minillm.course.exercise_model import parse_exercises
-from minillm.course.exercises import release, release_variant, variant_checks, variant_exercise
+from minillm.course.exercises import (
+    class_example_checks,
+    release,
+    release_variant,
+    variant_checks,
+    variant_exercise,
+)
 
 from .conftest import REPO_URL, code, filled, md, notebook, write_notebook
 
@@ -107,6 +113,15 @@ def test_variant_checks_counts_the_checks_that_call_variant():
     fixed = code("# GRADED: 1 point\nassert kv_bytes(2) == 256", "other-check")
     nb = notebook([*CELLS, fixed, code("x = variant('a', 1, draw)")])  # not a check
     assert variant_checks(nb) == (1, 2)
+    stateful = code("# GRADED: 1 point\nfrom hypothesis.stateful import invariant", "s-check")
+    assert variant_checks(notebook([stateful])) == (0, 1)  # invariant( is not variant(
+
+
+def test_class_example_checks_counts_the_checks_whose_hypothesis_tests_are_marked():
+    marked = code("# GRADED: 1 point\n@class_examples\n@settings()\ndef check(): ...", "m-check")
+    unmarked = code("# GRADED: 1 point\n@settings()\ndef check(): ...", "u-check")
+    setup = code("@class_examples\ndef helper(): ...")  # not a check
+    assert class_example_checks(notebook([*CELLS, marked, unmarked, setup])) == 1
 
 
 # the grader runs checks in `python -I`, which imports the installed minillm, not PYTHONPATH's
