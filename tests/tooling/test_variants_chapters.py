@@ -39,8 +39,8 @@ CHAPTERS = {
     "ch03_kv_cache": 2,
     "ch04_scheduling": 3,
     "ch05_kernels": 3,
-    "ch06_quantization": 2,
-    "ch07_decoding": 3,
+    "ch06_quantization": 3,
+    "ch07_decoding": 4,
     "ch08_distributed": 2,
     "ch09_metrics": 2,
 }
