@@ -285,10 +285,23 @@ def variant_exercise(text: str, seed: str) -> str:
 _VARIANT_CALL = re.compile(r"\bvariant\(")
 
 
+_CLASS_EXAMPLES = re.compile(r"^@class_examples\b", re.M)
+
+
+def _check_sources(nb: nbformat.NotebookNode) -> list[str]:
+    return [c.source for c in nb.cells if c.cell_type == "code" and GRADED_RE.match(c.source)]
+
+
 def variant_checks(nb: nbformat.NotebookNode) -> tuple[int, int]:
     """(checks that draw class values through `variant`, all checks) of a notebook."""
-    checks = [c.source for c in nb.cells if c.cell_type == "code" and GRADED_RE.match(c.source)]
+    checks = _check_sources(nb)
     return sum(bool(_VARIANT_CALL.search(source)) for source in checks), len(checks)
+
+
+def class_example_checks(nb: nbformat.NotebookNode) -> int:
+    """Checks of a notebook whose Hypothesis examples come from the class seed in a
+    private release (a test marked `@class_examples`)."""
+    return sum(bool(_CLASS_EXAMPLES.search(source)) for source in _check_sources(nb))
 
 
 def _tracked_by_git(out: pathlib.Path, solutions_dir: pathlib.Path) -> pathlib.Path | None:

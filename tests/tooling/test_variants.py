@@ -19,7 +19,13 @@ import pytest
 from minillm.cli.main import main
 from minillm.course import variants
 from minillm.course.exercise_model import parse_exercises
-from minillm.course.exercises import release, release_variant, variant_checks, variant_exercise
+from minillm.course.exercises import (
+    class_example_checks,
+    release,
+    release_variant,
+    variant_checks,
+    variant_exercise,
+)
 
 from .conftest import REPO_URL, code, filled, md, notebook, write_notebook
 
@@ -107,6 +113,15 @@ def test_variant_checks_counts_the_checks_that_call_variant():
     fixed = code("# GRADED: 1 point\nassert kv_bytes(2) == 256", "other-check")
     nb = notebook([*CELLS, fixed, code("x = variant('a', 1, draw)")])  # not a check
     assert variant_checks(nb) == (1, 2)
+    stateful = code("# GRADED: 1 point\nfrom hypothesis.stateful import invariant", "s-check")
+    assert variant_checks(notebook([stateful])) == (0, 1)  # invariant( is not variant(
+
+
+def test_class_example_checks_counts_the_checks_whose_hypothesis_tests_are_marked():
+    marked = code("# GRADED: 1 point\n@class_examples\n@settings()\ndef check(): ...", "m-check")
+    unmarked = code("# GRADED: 1 point\n@settings()\ndef check(): ...", "u-check")
+    setup = code("@class_examples\ndef helper(): ...")  # not a check
+    assert class_example_checks(notebook([*CELLS, marked, unmarked, setup])) == 1
 
 
 # the grader runs checks in `python -I`, which imports the installed minillm, not PYTHONPATH's
@@ -175,3 +190,45 @@ def test_cli_writes_the_variant_only_where_git_would_not_commit_it(tmp_path, cap
         assert "CLASS_SEED = 's'" in (out / "ex.ipynb").read_text()
         assert (out / "conftest.py").exists()
     assert not (repo / "exercises").exists()  # the public release is left alone
+
+
+CHECK = """
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillm.course.variants import class_examples
+
+seen = []
+
+
+@class_examples
+@settings(max_examples=10, derandomize=True, database=None, deadline=None)
+@given(st.integers(0, 10**9))
+def check(n):
+    seen.append(n)
+
+
+check()
+"""
+
+
+def examples(seed) -> list[int]:
+    """The examples a Hypothesis check marked `class_examples` is given in a cell that
+    defines CLASS_SEED = seed (None: the public edition)."""
+    namespace = {} if seed is None else {"CLASS_SEED": seed}
+    exec(CHECK, namespace)
+    return namespace["seen"]
+
+
+def test_class_examples_keeps_the_public_examples_and_draws_each_class_its_own():
+    public = examples(None)
+    assert examples(None) == public  # derandomized: the same questions on every run
+    fall = examples("fall")
+    assert examples("fall") == fall  # a class's examples are the same on every run
+    assert fall != public
+    assert examples("spring") not in (fall, public)
+
+
+def test_class_examples_refuses_an_empty_seed():
+    with pytest.raises(ValueError, match="non-empty"):
+        examples(" ")
