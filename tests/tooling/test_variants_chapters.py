@@ -5,7 +5,8 @@ The cheat is the one a public worked example invites: an answer that returns the
 the public check expects for its worked example (the first call the check makes). On
 each check that draws its worked example through `variant`, it scores nothing on a
 class's private release, where the worked example's input is drawn
-from the class seed; the solutions score full marks there, under two class seeds.
+from the class seed; the solutions score full marks there. Two class seeds take the
+chapters in turn, so that each chapter is graded once.
 
 Grading is slow, so the private reference keeps the checks that draw through `variant`
 (a representative subset of each chapter, and every chapter that draws) and answers the
@@ -134,7 +135,8 @@ def test_a_private_release_rejects_the_public_values_and_accepts_the_solution(tm
         hard_coded_notebook(chapter, recorded_answers(chapter)),
     )
     solution = ROOT / "solutions" / f"{chapter}.ipynb"
-    for seed in SEEDS:
+    # one class per chapter, the two classes in turn: each seed grades half the chapters
+    for seed in [SEEDS[list(CHAPTERS).index(chapter) % len(SEEDS)]]:
         release_variant(solutions, tmp_path / seed, repository_url(ROOT / "_config.yml"), seed)
         private = tmp_path / seed / f"{chapter}.ipynb"
         checks = parse_exercises(nbformat.read(private, as_version=4)).exercises
@@ -156,7 +158,6 @@ def test_a_private_release_rejects_the_public_values_and_accepts_the_solution(tm
 # checks whose Hypothesis tests keep the public examples in a private release for now
 UNSEEDED = {
     ("ch05_kernels", "online_attention"),
-    ("ch09_metrics", "mean_in_flight"),
 }
 HYPOTHESIS_TEST = re.compile(r"^@(?:settings\(|CHECK\b)|^class \w+\(RuleBasedStateMachine\)", re.M)
 CLASS_EXAMPLES = re.compile(r"^@class_examples\n(?=@(?:settings\(|CHECK\b)|class )", re.M)
