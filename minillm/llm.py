@@ -261,6 +261,8 @@ class LLM:
                 outputs = self._take(request_id)
                 if not outputs:
                     with self._lock:
+                        if self._queues[request_id]:
+                            continue  # another thread's step queued them after the take
                         processor = self.engine.output_processor
                         if request_id not in processor.states and not any(
                             state.request_id == request_id for state in processor.to_report

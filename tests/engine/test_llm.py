@@ -93,6 +93,32 @@ def test_closing_a_stream_early_aborts_the_request(llm):
     assert pool.get_num_free_blocks() == pool.num_blocks
 
 
+def test_a_stream_takes_outputs_another_thread_queued_after_its_empty_take(llm):
+    """Another thread may run the steps that finish a stream's request between the stream's
+    empty take and its check for lost outputs; the outputs then wait in its queue."""
+    [expected] = llm.generate("the quick", GREEDY, use_tqdm=False)
+    take = llm._take
+    raced = []
+
+    def take_then_other_thread_steps(request_id):
+        outputs = take(request_id)
+        if not outputs and not raced:  # the other thread runs the request to its end
+            raced.append(request_id)
+            while request_id in llm.engine.output_processor.states:
+                llm._step()
+        return outputs
+
+    llm._take = take_then_other_thread_steps
+    try:
+        outputs = list(llm.stream("the quick", GREEDY))
+    finally:
+        del llm._take
+    assert raced and outputs[-1].finished
+    assert "".join(o.outputs[0].delta_text for o in outputs) == expected.outputs[0].text
+    assert outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_as_prompt_list():
     assert as_prompt_list("a") == ["a"]
     assert as_prompt_list([1, 2]) == [[1, 2]]
