@@ -99,3 +99,22 @@ def assert_healthy(
     assert got == expected, f"the next request's tokens {got} differ from a fresh engine's"
     after = leftovers(target)
     assert not after, f"left behind by the probe: {after}"
+
+
+def run_all(engine: LLMEngine, requests: dict, interrupts: tuple = (), on_step=None) -> dict:
+    """Queue the requests, step until idle (stepping again after an interrupt, as a user
+    re-runs a cell; `on_step` after each step); the final output of each."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    final = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            return final
+        try:
+            outputs = engine.step()
+        except interrupts:
+            continue
+        final.update((o.request_id, o) for o in outputs if o.finished)
+        if on_step is not None:
+            on_step()
+    raise AssertionError("the engine never became idle")

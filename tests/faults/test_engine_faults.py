@@ -16,7 +16,7 @@ from minillm.engine.args import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.sampling_params import SamplingParams
 from tests.engine.tiny_llama import build_tiny_llama
-from tests.faults.invariants import assert_healthy, leftovers, probe
+from tests.faults.invariants import assert_healthy, leftovers, probe, run_all
 from tests.faults.scenarios import (
     BASE,
     CONFIGS,
@@ -38,23 +38,6 @@ def env(tmp_path_factory):
 
 def make_engine(env, **options) -> LLMEngine:
     return LLMEngine(EngineArgs(model=env.model_dir, **{**BASE, **options}))
-
-
-def run_all(engine: LLMEngine, requests: dict, interrupts: tuple = ()) -> dict:
-    """Queue the requests, step until idle (stepping again after an interrupt, as a user
-    re-runs a cell); the final output of each."""
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    final = {}
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            return final
-        try:
-            outputs = engine.step()
-        except interrupts:
-            continue
-        final.update((o.request_id, o) for o in outputs if o.finished)
-    raise AssertionError("the engine never became idle")
 
 
 def tokens(output) -> list[list[int]]:

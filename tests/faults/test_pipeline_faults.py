@@ -15,7 +15,7 @@ from minillm.engine.args import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.sampling_params import SamplingParams
 from tests.engine.tiny_llama import build_tiny_llama
-from tests.faults.invariants import assert_healthy
+from tests.faults.invariants import assert_healthy, run_all
 from tests.faults.scenarios import BASE, PROBE_PARAMS, PROBE_PROMPT, make_env
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -41,25 +41,6 @@ def engine(env):
     )
     yield engine
     engine.shutdown()
-
-
-def run_all(engine: LLMEngine, requests: dict, interrupts: tuple = (), on_step=None) -> dict:
-    """Queue the requests, step until idle (stepping again after an interrupt); the final
-    output of each."""
-    for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
-    final = {}
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            return final
-        try:
-            outputs = engine.step()
-        except interrupts:
-            continue
-        final.update((o.request_id, o) for o in outputs if o.finished)
-        if on_step is not None:
-            on_step()
-    raise AssertionError("the engine never became idle")
 
 
 def assert_clean(engine: LLMEngine, env) -> None:
