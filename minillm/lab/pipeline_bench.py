@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
-        "note": "measured on a shared machine under heavy load from other work (2 cores, load "
-        "average above); times and the compute bubbles swing with it",
+        "note": "times and the compute bubbles swing with the machine's load (load average "
+        "above, over its cpu_count cores); the device stand-in's bubbles much less",
         **measured,
     }
     for kind, mode in ((kind, mode) for kind in measured for mode in MODES):
