@@ -44,7 +44,9 @@ from dataclasses import dataclass
 
 # float slack: a refill that should reach n exactly may land a few ulps short
 EPSILON = 1e-9
-MAX_IDLE_BUCKETS = 10_000  # past it, full buckets are dropped (a full one equals a new one)
+# past it, full buckets are dropped (a full one equals a new one); the next drop waits until
+# the buckets left have doubled, so that a new key costs O(1) on average however many are busy
+MAX_IDLE_BUCKETS = 10_000
 
 
 class TokenBucket:
@@ -164,15 +166,17 @@ class RateLimiter:
         self.burst_tokens = float(burst)
         self.clock = clock
         self.buckets: dict[str, TokenBucket] = {}
+        self.prune_at = MAX_IDLE_BUCKETS  # how many buckets trigger the next drop of full ones
         self._lock = threading.Lock()
 
     def _bucket(self, key: str) -> TokenBucket:
         bucket = self.buckets.get(key)
         if bucket is None:
-            if len(self.buckets) >= MAX_IDLE_BUCKETS:
+            if len(self.buckets) >= self.prune_at:
                 full = [k for k, b in self.buckets.items() if b.level >= b.burst - EPSILON]
                 for k in full:
                     del self.buckets[k]
+                self.prune_at = max(MAX_IDLE_BUCKETS, 2 * len(self.buckets))
             bucket = TokenBucket(self.tokens_per_minute / 60.0, self.burst_tokens, self.clock)
             self.buckets[key] = bucket
         return bucket

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm.serve import run_server
+from minillm.serve import rate_limit, run_server
 from minillm.serve.rate_limit import RateLimited, RateLimiter, TokenBucket
 from tests.serve.conftest import greedy
 
@@ -113,6 +113,45 @@ def test_refunds_the_unused_part_and_never_overfills():
     assert limiter.remaining("k") == 85
     clock.now = 1000.0
     assert limiter.remaining("k") == 100  # capped at the burst
+
+
+def test_many_busy_keys_drop_full_buckets_rarely_and_keep_busy_ones(monkeypatch):
+    """Past the bucket limit, full buckets go and busy ones stay; a scan happens only when
+    the buckets left have doubled, so that 10,000 busy keys do not make every new key scan
+    them all (as a limit that rescans at every new key did)."""
+    monkeypatch.setattr(rate_limit, "MAX_IDLE_BUCKETS", 8)
+    now = [0.0]
+    limiter = RateLimiter(60.0, 10.0, clock=lambda: now[0])  # 1 token a second
+    scans = []
+    real_level = TokenBucket.level
+
+    def counted(bucket):
+        scans.append(bucket)
+        return real_level.fget(bucket)
+
+    monkeypatch.setattr(TokenBucket, "level", property(counted))
+    for i in range(4):  # four idle keys: their buckets stay full
+        limiter.remaining(f"idle{i}")
+    for i in range(4):  # four busy ones: each takes 5 of its 10 tokens
+        limiter.acquire(f"busy{i}", 5)
+    scans.clear()
+    limiter.acquire("busy4", 5)  # the ninth key: one scan drops the four full buckets
+    assert sorted(limiter.buckets) == [f"busy{i}" for i in range(5)]
+    assert len(scans) == 8 + 1  # the scan's reads, then the take's
+    scans.clear()
+    for i in range(5, 8):  # up to 8 buckets again: no scan
+        limiter.acquire(f"busy{i}", 5)
+    assert len(scans) == 3
+    scans.clear()
+    limiter.acquire("busy8", 5)  # 8 busy buckets: a scan that drops none, then none till 16
+    assert len(limiter.buckets) == 9 and limiter.prune_at == 16
+    scans.clear()
+    for i in range(9, 16):
+        limiter.acquire(f"busy{i}", 5)
+    assert len(scans) == 7  # one level read per take, none of a scan
+    now[0] = 10.0  # every bucket has refilled: the next new key's scan drops them all
+    limiter.acquire("late", 5)
+    assert sorted(limiter.buckets) == ["late"] and limiter.prune_at == 8
 
 
 def test_keys_have_their_own_buckets_and_errors_name_the_field():
