@@ -21,6 +21,7 @@ import itertools
 import os
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
@@ -31,7 +32,7 @@ from minillm.lora.request import LoRARequest
 from minillm.model.lora import LoRASlotsBusy
 from minillm.model.tokenizer import Tokenizer
 from minillm.outputs import RequestOutput
-from minillm.sampling_params import BeamSearchParams, SamplingParams
+from minillm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -125,6 +126,14 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; "
                     "give one for all or one per prompt"
                 )
+        # only the final outputs are returned: no step builds the ones in between (vLLM
+        # does the same); a copy, so the caller's params keep their own kind
+        final_only = {
+            id(params): replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            for params in params_list
+            if isinstance(params, SamplingParams)
+        }
+        params_list = [final_only.get(id(params), params) for params in params_list]
         request_ids, held = self._add_requests(
             prompts, params_list, priorities, lora_requests, hold_busy_loras=True
         )
@@ -251,7 +260,10 @@ class LLM:
         """Yield the prompt's output after every step that adds to it; the new text of each
         completion is in `outputs[i].delta_text`. Closing the iterator early aborts the request.
         """
-        [request_id], _ = self._add_requests([prompt], [sampling_params or SamplingParams()], [0])
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):  # an output after every step, whole
+            params = replace(params, output_kind=RequestOutputKind.CUMULATIVE)
+        [request_id], _ = self._add_requests([prompt], [params], [0])
         # characters of each completion's text yielded so far: delta_text is cut from the
         # whole text here, so an output that never reached this queue (Ctrl-C in another
         # call, between its step and the queueing) loses no text; streamed text only grows

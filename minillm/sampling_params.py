@@ -7,6 +7,7 @@ The object is frozen: a value changed after construction would skip this validat
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import numbers
@@ -16,6 +17,21 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the compilers are imported where a constraint is compiled
     from minillm.structured.cfg import ContextFreeGrammar
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs a request gets while it runs (vLLM's names and values).
+
+    CUMULATIVE: after every step that adds to it, everything so far (text, token ids,
+    logprobs) and the new text in `delta_text`. DELTA: after every such step, only what is
+    new since the previous output. FINAL_ONLY: one output, when the request finishes;
+    `LLM.generate` asks for this, so that a step builds no output nobody reads.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
 
 # Temperatures below this are greedy: dividing logits by a tiny temperature overflows
 # (vLLM's _SAMPLING_EPS).
@@ -191,6 +207,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # constrained decoding: the output matches a regex, a JSON schema or one of a few choices
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # which outputs, and when
 
     def __post_init__(self) -> None:
         n = _as_int("n", self.n, "an int >= 1")
@@ -256,6 +273,12 @@ class SamplingParams:
             "structured_outputs",
             self.structured_outputs,
             "None or a StructuredOutputsParams",
+        )
+        _require(
+            isinstance(self.output_kind, RequestOutputKind),
+            "output_kind",
+            self.output_kind,
+            "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)",
         )
 
         normalized = {

@@ -9,7 +9,8 @@ got new tokens to the output processor, which
 - holds back the end of the text while it could still become a stop string, so that streamed
   text is never taken back;
 - builds one `RequestOutput` per prompt that made progress, with the text added since the
-  previous output (`delta_text`) for streaming.
+  previous output (`delta_text`) for streaming: everything so far, only what is new, or
+  nothing until the prompt finishes, as its `output_kind` asks.
 
 It also owns the registry of requests the engine is serving: a prompt and its n sequences.
 """
@@ -22,6 +23,7 @@ from minillm.core.metrics import merge_request_metrics
 from minillm.core.request import Request, RequestStatus
 from minillm.model.tokenizer import INITIAL_PREFIX_TOKENS, IncrementalDetokenizer, Tokenizer
 from minillm.outputs import CompletionOutput, RequestOutput
+from minillm.sampling_params import RequestOutputKind
 
 
 @dataclass(slots=True, eq=False)
@@ -32,6 +34,7 @@ class SequenceText:
     text: str = ""
     num_detokenized: int = 0  # output tokens already turned into text (or skipped)
     num_streamed_chars: int = 0  # how much of `text` has been handed out as deltas
+    num_streamed_tokens: int = 0  # output tokens handed out (RequestOutputKind.DELTA)
 
 
 @dataclass(slots=True, eq=False)
@@ -105,14 +108,16 @@ class OutputProcessor:
         self._forget(state)
 
     def make_outputs(self, progressed: list[Request]) -> list[RequestOutput]:
-        """One RequestOutput per prompt that got a new token or finished since the last step."""
+        """One RequestOutput per prompt that got a new token or finished since the last step
+        (a prompt that asked for its final output only: once it has finished)."""
         states, self.to_report = self.to_report, []
         seen = {id(state) for state in states}
         for seq in progressed:
             state = self.state_of_seq.get(seq.request_id)
             if state is not None and id(state) not in seen:
                 seen.add(id(state))
-                states.append(state)
+                if state.finished or seq.sampling_params.output_kind != FINAL_ONLY:
+                    states.append(state)
         outputs = [make_request_output(state) for state in states]
         for state in states:
             if state.finished:
@@ -202,17 +207,24 @@ def visible_text(seq: Request, text: SequenceText) -> str:
     return text.text[: max(0, len(text.text) - num_held_back)]
 
 
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
+
 def make_completion_output(seq: Request, text: SequenceText) -> CompletionOutput:
-    """The sequence's output so far, and the text added since the last one (delta_text)."""
+    """The sequence's output so far, and the text added since the last one (delta_text);
+    with RequestOutputKind.DELTA only what was added since the last one."""
     shown = visible_text(seq, text)
     delta_text = shown[text.num_streamed_chars :]
     text.num_streamed_chars = len(shown)
     params = seq.sampling_params
+    first_token = 0
+    if params.output_kind == RequestOutputKind.DELTA:
+        first_token, text.num_streamed_tokens = text.num_streamed_tokens, seq.num_output_tokens
     return CompletionOutput(
         index=seq.index,
-        text=shown,
-        token_ids=seq.output_token_ids,
-        logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+        text=delta_text if params.output_kind == RequestOutputKind.DELTA else shown,
+        token_ids=seq.all_token_ids[seq.num_prompt_tokens + first_token :],
+        logprobs=list(seq.output_logprobs[first_token:]) if params.logprobs is not None else None,
         finish_reason=seq.status.finish_reason,
         stop_reason=seq.stop_reason,
         delta_text=delta_text,

@@ -238,11 +238,17 @@ class StepRecorder:
 def python_overhead_share(engine, prompts: list[list[int]], repeats: int = 3) -> float:
     """The share of a decode step of len(prompts) sequences spent outside every aten operator:
     step wall time (unprofiled) less the operators' self time (the next step, profiled),
-    median over `repeats` pairs. The requests are aborted afterwards."""
+    median over `repeats` pairs. The requests ask for their final output only, as
+    `LLM.generate` asks, and are aborted afterwards."""
     from minillm.lab.step_profile import profile_step
-    from minillm.sampling_params import SamplingParams
+    from minillm.sampling_params import RequestOutputKind, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=4 * repeats + 8, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=4 * repeats + 8,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
     ids = [f"overhead-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts, strict=True):
         engine.add_request(request_id, prompt, params)

@@ -119,25 +119,27 @@ class TorchAttentionPlan:
 def plan_torch_attention(
     query_start_loc: list[int],
     seq_lens: list[int],
-    block_tables: list[list[int]],
+    block_tables: torch.Tensor,
     block_size: int,
     device: torch.device | str,
 ) -> TorchAttentionPlan:
-    """The torch backend's plan of a batch, from the host's lists (block_tables padded to one
-    length): the decode sequences read the first ceil(max_seq_len / block_size) entries of
-    their block tables, whole blocks at a time."""
-    decodes = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+    """The torch backend's plan of a batch, from the host's lists and the padded block tables
+    ([num_seqs, max_num_blocks]): the decode sequences read the first
+    ceil(max_seq_len / block_size) entries of their block tables, whole blocks at a time."""
+    num_seqs = len(seq_lens)
+    decodes = [i for i in range(num_seqs) if query_start_loc[i + 1] - query_start_loc[i] == 1]
     prefills = [
         (i, query_start_loc[i], query_start_loc[i + 1], seq_lens[i])
-        for i in range(len(seq_lens))
+        for i in range(num_seqs)
         if query_start_loc[i + 1] - query_start_loc[i] > 1
     ]
     max_seq_len = max((seq_lens[i] for i in decodes), default=0)
     num_blocks = -(-max_seq_len // block_size)
     decode_lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64, device=device)
-    tables = torch.tensor(
-        [block_tables[i][:num_blocks] for i in decodes], dtype=torch.int64, device=device
-    ).view(len(decodes), num_blocks)
+    tables = block_tables[:, :num_blocks]
+    if prefills:  # the decode rows only
+        tables = tables[torch.tensor(decodes, dtype=torch.int64, device=block_tables.device)]
+    tables = tables.to(device=device, dtype=torch.int64)
     # a table entry past the sequence's own blocks repeats its first block, which it wrote
     # (all of it, unless the sequence is shorter than a block): so the only gathered slots it
     # never wrote are the tail of its last block, and those of its first when that is short
@@ -213,7 +215,7 @@ def torch_paged_attention(
         plan = meta.torch_plan = plan_torch_attention(
             meta.query_start_loc.tolist(),
             meta.seq_lens.tolist(),
-            meta.block_tables.tolist(),
+            meta.block_tables,
             meta.block_size,
             q.device,
         )

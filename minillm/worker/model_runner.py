@@ -95,17 +95,18 @@ def prepare_inputs(
     def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
+    block_tables_tensor = tensor(padded_tables, torch.int32)
     meta = AttentionMetadata(
         slot_mapping=tensor(slot_mapping, torch.int64),
         query_start_loc=tensor(query_start_loc, torch.int32),
         seq_lens=tensor(seq_lens, torch.int32),
-        block_tables=tensor(padded_tables, torch.int32),
+        block_tables=block_tables_tensor,
         max_query_len=max(chunk.num_new_tokens for chunk in scheduled),
         max_seq_len=max(seq_lens),
         block_size=block_size,
         mixed=split_mixed_batch(query_start_loc, seq_lens, device),
         torch_plan=plan_torch_attention(
-            query_start_loc, seq_lens, padded_tables, block_size, device
+            query_start_loc, seq_lens, block_tables_tensor, block_size, device
         ),
     )
     return ModelInput(

@@ -332,6 +332,8 @@ INVALID = {
     "structured_outputs": st.one_of(
         st.integers(), st.text(), st.dictionaries(st.text(max_size=3), st.text(max_size=3))
     ),
+    # the enum's values as plain ints, its names as text: only the enum itself is one
+    "output_kind": st.one_of(st.integers(), st.text(), st.none(), st.floats()),
     "stop": st.one_of(
         st.integers(),
         st.floats(),
