@@ -109,6 +109,36 @@ def run_bubble(stage_timings: list[list[StageTiming]]) -> float:
     return 1.0 - busy_s / (len(stage_timings) * span_s)
 
 
+def bubble_parts(stage_timings: list[list[StageTiming]]) -> dict[str, float]:
+    """Where the idle share of a run (`run_bubble`) goes; the three parts add up to it.
+
+    - fill_and_drain: a stage has not begun its first step yet, or has ended its last;
+    - within_steps: inside a step, the stage waits for another stage: for the hidden states
+      it needs, or, when it runs ahead of a slower next stage, for that stage to take the
+      ones it sent;
+    - between_steps: the stage has ended one step and not begun the next: it waits for the
+      other stages to end the step (steps drained), for the engine to take the tokens in
+      and plan the next batch, and for that plan to reach it.
+    With steps drained the schedule's own bubble falls in both of the last two (the last
+    stage waits within the step for the first micro-batch; the first stage, done early,
+    waits between steps). Each part is a share of stages x the run's span, as the bubble
+    is."""
+    timings = [t for stage in stage_timings for t in stage]
+    first = min(t.start_s for t in timings)
+    span_s = max(t.end_s for t in timings) - first
+    total_s = len(stage_timings) * span_s
+    fill_and_drain = within = between = 0.0
+    for stage in stage_timings:
+        fill_and_drain += stage[0].start_s - first + (first + span_s - stage[-1].end_s)
+        within += sum(t.end_s - t.start_s - t.busy_s for t in stage)
+        between += sum(b.start_s - a.end_s for a, b in zip(stage, stage[1:], strict=False))
+    return {
+        "fill_and_drain": fill_and_drain / total_s,
+        "within_steps": within / total_s,
+        "between_steps": between / total_s,
+    }
+
+
 @torch.inference_mode()
 def run_stage(
     runner: ModelRunner,

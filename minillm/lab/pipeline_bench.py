@@ -1,12 +1,14 @@
 """The bubble minillm's pipeline actually has: each step drained, or batches in flight.
 
-Two engines of two stages (`pipeline_parallel_size=2`) serve the same greedy requests: one
+Three engines of two stages (`pipeline_parallel_size=2`) serve the same greedy requests: one
 cuts every step into two micro-batches and drains the pipeline before the next step
-(`pipeline_micro_batches=2`), the other keeps two batches of different requests in flight
-across steps (`pipeline_batches_in_flight=2`). `measure_bubble` runs them in turns (the
-order alternates every repeat, after a warm-up run each), and for every run reads the
-stages' timings (`LLMEngine.pipeline_stats`) and measures the idle share of the stages over
-the whole run (`pipeline.run_bubble`). Each is set against the formula for what it does:
+(`pipeline_micro_batches=2`), the others keep two or three batches of different requests in
+flight across steps (`pipeline_batches_in_flight=2` or 3). `measure_bubble` runs them in
+turns (the order alternates every repeat, after a warm-up run each), and for every run reads
+the stages' timings (`LLMEngine.pipeline_stats`), measures the idle share of the stages over
+the whole run (`pipeline.run_bubble`) and splits it into its parts (`pipeline.bubble_parts`:
+fill and drain, waits for another stage within a step, gaps between steps). Each is set
+against the formula for what it does:
 
 - drained: every step fills and drains a pipeline of m micro-batches, (p - 1) / (m + p - 1);
 - in flight: the run's n batches fill and drain it once, (p - 1) / (n + p - 1).
@@ -40,7 +42,7 @@ import time
 import torch
 
 from minillm.distributed import pipeline
-from minillm.distributed.pipeline import bubble_fraction, measured_bubble
+from minillm.distributed.pipeline import bubble_fraction, bubble_parts, measured_bubble
 from minillm.llm import LLM
 from minillm.sampling_params import SamplingParams
 
@@ -55,7 +57,9 @@ MAX_TOKENS = 24
 MODES = {
     "drained": {"pipeline_micro_batches": 2},
     "in_flight": {"pipeline_batches_in_flight": 2},
+    "in_flight_3": {"pipeline_batches_in_flight": 3},
 }
+PARTS = ("fill_and_drain", "within_steps", "between_steps")  # pipeline.bubble_parts
 
 
 def _run(llm: LLM, params: SamplingParams) -> dict:
@@ -71,6 +75,7 @@ def _run(llm: LLM, params: SamplingParams) -> dict:
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "seconds": seconds,
         "bubble": engine.pipeline_bubble(),
+        "parts": bubble_parts(stages),
         "steps": len(steps),
         "micro_batches": sum(t.num_micro_batches for t in stages[0]),
         "median_step_bubble": statistics.median(measured_bubble(list(s)) for s in steps),
@@ -143,6 +148,11 @@ def _measure(repeats: int, max_tokens: int) -> dict:
             "bubble_min": min(bubbles),
             "bubble_max": max(bubbles),
             "bubbles": bubbles,
+            # the bubble's parts (median of each over the runs): what the formula counts is
+            # the fill and drain of a run in flight, the waits within the steps drained
+            "parts_median": {
+                part: statistics.median(r["parts"][part] for r in mode_runs) for part in PARTS
+            },
             "median_step_bubble": statistics.median(r["median_step_bubble"] for r in mode_runs),
             "steps": mode_runs[0]["steps"],
             "micro_batches": batches,
@@ -188,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['seconds_median']:.2f} s; tokens equal one process: "
             f"{r['tokens_equal_one_process']}"
         )
+        print("    parts: " + ", ".join(f"{k} {v:.3f}" for k, v in r["parts_median"].items()))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -14,6 +14,7 @@ from minillm import LLM
 from minillm.distributed.pipeline import (
     StageTiming,
     bubble_fraction,
+    bubble_parts,
     measured_bubble,
     run_bubble,
     split_micro_batches,
@@ -108,6 +109,27 @@ def test_run_bubble_of_batches_in_flight():
         [StageTiming(1, 1.0, 2.0 * k, 2.0 * k + 2) for k in range(3)],
     ]
     assert run_bubble(drained) == pytest.approx(1 / 2)
+
+
+def test_the_bubble_splits_into_fill_waits_and_gaps_between_steps():
+    # batches in flight, 1 s each: stage 1's first call waits 1 s for stage 0's hidden
+    # states, and stage 0 ends 1 s before the run does
+    first = [StageTiming(1, 1.0, float(k), float(k + 1)) for k in range(3)]
+    last = [StageTiming(1, 1.0, 0.0, 2.0), StageTiming(1, 1.0, 2.0, 3.0)]
+    last.append(StageTiming(1, 1.0, 3.0, 4.0))
+    parts = bubble_parts([first, last])
+    assert parts == pytest.approx(
+        {"fill_and_drain": 1 / 8, "within_steps": 1 / 8, "between_steps": 0.0}
+    )
+    assert sum(parts.values()) == pytest.approx(run_bubble([first, last]))
+    # each stage waits 0.5 s between its two steps (the engine's round trip)
+    first = [StageTiming(1, 1.0, 0.0, 1.0), StageTiming(1, 1.0, 1.5, 2.5)]
+    last = [StageTiming(1, 1.0, 0.0, 2.0), StageTiming(1, 1.0, 2.5, 3.5)]
+    parts = bubble_parts([first, last])
+    assert parts == pytest.approx(
+        {"fill_and_drain": 1 / 7, "within_steps": 1 / 7, "between_steps": 1 / 7}
+    )
+    assert sum(parts.values()) == pytest.approx(run_bubble([first, last])) == 3 / 7
 
 
 @pytest.mark.parametrize(
