@@ -328,21 +328,58 @@ def ring_all_reduce(x, rank, world_size, send, recv):
 """,
 }
 
+# the ranks' reply made up: each rank's sum and a ring's bytes, with nothing sent; then this
+# thread answers the check's later requests itself, so that the check's verdict stands
+FORGED_RING = """import gc
+import sys
+import time
+
+import torch
+
+from minillm.course import remote
+
+
+def ring_all_reduce(x, rank, world_size, send, recv):
+    if (rank, world_size) != (0, 2):
+        time.sleep(60)
+    frame = sys._getframe()
+    while "ring_inputs" not in frame.f_globals:
+        frame = frame.f_back
+    threads = []
+    for tensors in frame.f_globals["ring_inputs"]:
+        p, total = len(tensors), torch.stack(tensors).sum(0)
+        sent = 2 * (p - 1) * (total.numel() // p) * total.element_size()
+        threads.append([(total.tolist(), list(total.shape), sent)] * p)
+    reply = {"unchanged": True, "threads": threads}
+    for o in gc.get_objects():
+        if type(o) is remote.Connection:
+            blobs = []
+            o._send({"value": o.encode(reply, blobs, {})}, blobs)
+            o.serve_forever()
+"""
+
 
 @pytest.mark.slow
 def test_chapter_8s_ring_check_decides_in_its_own_process(tmp_path):
-    """The ranks run where the student's code runs (threads, forked gloo processes), and
-    report each rank's result; the check compares them with sums it computes itself."""
-    exercises = graded(tmp_path, "ch08_distributed.ipynb", CH08)
+    """The ranks run where the student's code runs, but their messages go through the
+    check's own wire, which compares each with what a ring sends: a reply made up in the
+    student's process, with the right sums and byte counts, sent nothing the check saw."""
+    exercises = graded(tmp_path / "exit", "ch08_distributed.ipynb", CH08)
     ring = exercises["ring_all_reduce"]
     assert ring.points == 0, ring.error
     assert ring.flags
-    assert ring.in_student_process  # the ranks' results could be made up: flagged
+    assert not ring.in_student_process
+    exercises = graded(
+        tmp_path / "reply", "ch08_distributed.ipynb", {"ring_all_reduce": FORGED_RING}
+    )
+    ring = exercises["ring_all_reduce"]
+    assert ring.points == 0 and "rank 0 sent nothing through send" in ring.error, ring.error
+    assert not ring.in_student_process
 
 
 def test_no_check_runs_wholly_in_the_students_process():
-    """Only two questions are asked inside the student's process (`watch`), each flagged:
-    the longest tensor of ch05's online attention and the ranks of ch08's ring."""
+    """One question is asked inside the student's process (`watch`), and flagged: the
+    longest tensor of ch05's online attention."""
     watching = {}
     for path in sorted((ROOT / "exercises").glob("ch*.ipynb")):
         for cell in nbformat.read(path, as_version=4).cells:
@@ -351,5 +388,4 @@ def test_no_check_runs_wholly_in_the_students_process():
                 watching[path.stem] = cell.get("id")
     assert watching == {
         "ch05_kernels": "online_attention-check",
-        "ch08_distributed": "ring_all_reduce-check",
     }
