@@ -261,13 +261,34 @@ CLOCK_VARIANTS = {
         "from timeit import default_timer\n",
         {"time.perf_counter()": "default_timer()"},
     ),
+    "time.clock_gettime(CLOCK_MONOTONIC)": (
+        "",
+        {"time.perf_counter()": "time.clock_gettime(time.CLOCK_MONOTONIC)"},
+    ),
+    "from time import clock_gettime_ns, CLOCK_REALTIME": (
+        "from time import CLOCK_REALTIME, clock_gettime_ns\n",
+        {
+            "start = time.perf_counter()": "start = clock_gettime_ns(CLOCK_REALTIME)",
+            "time.perf_counter() - start": "(clock_gettime_ns(CLOCK_REALTIME) - start) / 1e9",
+        },
+    ),
 }
 # what does not time the work: a made-up number after honest readings, and a clock that
 # counts the CPU time of the student's process (the work runs in the check's)
 CLOCK_CHEATS = {
     "a constant": ("", {"time.perf_counter() - start": "0 * (time.perf_counter() - start) + 0.01"}),
     "another clock": ("", {"time.perf_counter()": "time.process_time()"}),
+    "a thread's CPU time": (
+        "from time import thread_time\n",
+        {"time.perf_counter()": "thread_time()"},
+    ),
+    "the process's CPU time by id": (
+        "",
+        {"time.perf_counter()": "time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID)"},
+    ),
 }
+# the CPU-time clocks, whose feedback says the question is about wall time
+CPU_TIME = ("another clock", "a thread's CPU time", "the process's CPU time by id")
 TIMED = {
     "ch01_request_journey": "time_next_token",
     "ch02_roofline": "fastest_decode_step_s",
@@ -318,6 +339,7 @@ def test_every_way_of_reading_the_clock_is_graded_and_none_can_be_faked(tmp_path
     full = next(e.max_points for e in grades[0].exercises if e.name == cell_id)
     assert got == {**dict.fromkeys(CLOCK_VARIANTS, full), **{n: got[n] for n in CLOCK_CHEATS}}
     assert all(got[name][0] == 0 for name in CLOCK_CHEATS), got
+    assert all("asks for wall time" in got[name][1] for name in CPU_TIME), got
 
 
 CH08 = {
