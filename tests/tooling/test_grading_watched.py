@@ -380,6 +380,42 @@ def ring_all_reduce(x, rank, world_size, send, recv):
             o.serve_forever()
 """
 
+# zeros on the wire, and the check's expected messages rewritten to zeros through the
+# globals of the check's function that the harness calls (asked for past `Remote`'s rules)
+REACHED_IN = """import sys
+import threading
+
+import torch
+import torch.distributed
+
+from minillm.course import remote
+
+inputs = {}
+
+
+def ring_all_reduce(x, rank, world_size, send, recv):
+    chunk = x.numel() // world_size
+    lock = type(threading.Lock())
+    turns = [c.cell_contents for c in send.__closure__ or () if type(c.cell_contents) is lock]
+    if not turns:  # over gloo: the library's all-reduce
+        total = x.clone()
+        torch.distributed.all_reduce(total)
+        return total, 2 * (world_size - 1) * chunk * 4
+    if (rank, world_size) == (0, 2):
+        with turns[0]:
+            wire = sys._getframe(1).f_globals["wire_send"]
+            checks = remote._req(wire, "getattr", "__globals__")
+            checks["expected_messages"] = [
+                [[torch.zeros(chunk)] * (2 * (p - 1)) for _ in range(p)] for p in (2, 3, 4)
+            ]
+    mine = inputs.setdefault(world_size, {})
+    mine[rank] = x.clone()
+    for _ in range(2 * (world_size - 1)):
+        send(torch.zeros(chunk), (rank + 1) % world_size)
+        recv(torch.empty(chunk), (rank - 1) % world_size)
+    return sum(mine[r] for r in range(world_size)), 2 * (world_size - 1) * chunk * 4
+"""
+
 
 @pytest.mark.slow
 def test_chapter_8s_ring_check_decides_in_its_own_process(tmp_path):
@@ -397,6 +433,11 @@ def test_chapter_8s_ring_check_decides_in_its_own_process(tmp_path):
     ring = exercises["ring_all_reduce"]
     assert ring.points == 0 and "rank 0 sent nothing through send" in ring.error, ring.error
     assert not ring.in_student_process
+    exercises = graded(
+        tmp_path / "reach", "ch08_distributed.ipynb", {"ring_all_reduce": REACHED_IN}
+    )
+    ring = exercises["ring_all_reduce"]
+    assert ring.points == 0 and "public attributes only" in ring.error, ring.error
 
 
 def test_no_check_runs_wholly_in_the_students_process():
