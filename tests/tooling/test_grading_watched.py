@@ -135,6 +135,35 @@ def test_chapter_1s_watched_checks_cannot_be_forged(tmp_path):
         assert not exercises[name].in_student_process, name
 
 
+# no decoding: the check's own model, lent (the very one its engine runs), zeroed through a
+# public method, so that an engine asked afterwards answers token 0 every time
+ZEROED_MODEL = """import torch
+
+
+def generate_without_cache(model, prompt_ids, max_tokens):
+    state = model.state_dict()
+    model.load_state_dict({name: torch.zeros_like(t) for name, t in state.items()})
+    with torch.inference_mode():
+        for n in range(len(prompt_ids), len(prompt_ids) + max_tokens):
+            model.forward_causal(torch.zeros((1, n), dtype=torch.long))
+    return [0] * max_tokens
+"""
+
+
+@pytest.mark.slow
+def test_a_lent_model_changed_does_not_change_the_engines_answer(tmp_path):
+    """The check asks its engine before it lends the model, so the answers it compares
+    with are the untouched model's."""
+    reference = only_check(tmp_path, "ch01_request_journey", "generate_without_cache")
+    path = submission(
+        tmp_path, "ch01_request_journey.ipynb", {"generate_without_cache": ZEROED_MODEL}
+    )
+    [grade], problems = grade_notebooks([path], reference=reference, jobs=1)
+    assert problems == []
+    [exercise] = [e for e in grade.exercises if e.name == "generate_without_cache"]
+    assert exercise.points == 0 and "you gave [0, 0, 0" in exercise.error, exercise.error
+
+
 @pytest.mark.slow
 def test_chapter_5s_watched_checks_cannot_be_forged(tmp_path):
     exercises = graded(tmp_path, "ch05_kernels.ipynb", CH05)
