@@ -10,6 +10,7 @@ a hard-coded answer, a right answer of the wrong type, and an answer that modifi
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -330,6 +331,37 @@ def ring_of_zeros():
     return ring_all_reduce
 
 
+def ring_from_shared_inputs():
+    """A ring's messages and sums worked out from every rank's input (the ranks share a
+    process) rather than from what arrives: right while the wire delivers each message
+    unchanged, wrong once it adds to them."""
+    inputs: dict = {}
+    calls: dict = {}
+
+    def ring_all_reduce(x, rank, world_size, send, recv):
+        p = world_size
+        run = calls[p, rank] = calls.get((p, rank), 0) + 1
+        mine = inputs.setdefault((p, run), {})
+        mine[rank] = x.clone()
+        for _ in range(10_000):  # every rank's input, or give up after 10 s
+            if len(mine) == p:
+                break
+            time.sleep(0.001)
+        chunks = [mine[r].chunk(p) for r in range(p)]
+        for k in range(2 * (p - 1)):
+            if k < p - 1:
+                c = (rank - k) % p
+                message = sum(chunks[(rank - j) % p][c] for j in range(k + 1))
+            else:
+                c = (rank + 1 - (k - p + 1)) % p
+                message = sum(chunks[q][c] for q in range(p))
+            send(message, (rank + 1) % p)
+            recv(torch.empty_like(message), (rank - 1) % p)
+        return sum(mine[r] for r in range(p)), 2 * (p - 1) * (x.numel() // p) * x.element_size()
+
+    return ring_all_reduce
+
+
 # -- exercise 10: fit and measurement -----------------------------------------------------
 
 
@@ -473,6 +505,7 @@ WRONG_ANSWERS = {
         "everyone sends everything, a ring's bytes reported": all_reduce_by_gathering_as_a_ring,
         "a ring the other way round": reversed_ring,
         "zeros on the wire, sums behind its back": ring_of_zeros(),
+        "messages from every rank's input, not from what arrives": ring_from_shared_inputs(),
     },
     "fit_line": {
         "through the end points": end_points,
