@@ -475,6 +475,8 @@ class Connection:
             target = self.exported[int(header["target"])] if header["target"] is not None else None
             args = [self.decode(a, blobs, storages) for a in header["args"]]
             kwargs = {k: self.decode(v, blobs, storages) for k, v in header["kwargs"].items()}
+            if self.trusted and header["op"] in ("getattr", "setattr", "delattr"):
+                _public(args[0] if args else None)
             with _modes(header.get("modes") if self.trusted else None):
                 value = _OPS[header["op"]](target, *args, **kwargs)
             if header["op"] == "call":
@@ -673,6 +675,15 @@ def _copy_storage(original, new) -> None:
         return
     with torch.no_grad():
         target.copy_(source)
+
+
+def _public(name: object) -> None:
+    """The check's objects answer the student's code about their public attributes only:
+    through `__globals__`, `__self__` or `__class__` a function or method the check lends
+    would lead to the check's own namespace (its expected values, its `torch`), and
+    through a private attribute to the records a lent instrument keeps."""
+    if not isinstance(name, str) or name.startswith("_"):
+        raise AttributeError(f"{name!r}: the check's objects show their public attributes only")
 
 
 def _call(target, *args, **kwargs):

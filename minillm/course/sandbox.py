@@ -72,6 +72,7 @@ import traceback
 import types
 
 from minillm.course import remote
+from minillm.course.watching import FORWARDED
 
 # ---------------------------------------------------------------------------------------
 # The student's definitions
@@ -652,12 +653,82 @@ def limit_resources(cpu_s: float, memory_gib: float) -> list[str]:
     return refused
 
 
+PIDS_HIERARCHY = "/sys/fs/cgroup/pids"  # where cgroup v1 mounts its `pids` controller
+
+
+def pids_cgroup() -> str | None:
+    """The folder of this process's group in the cgroup v1 `pids` hierarchy, if this
+    process may make groups under it (root, where the hierarchy is mounted writable): a
+    group per student process, whose `pids.max` limits the processes and threads of all
+    its members, root's included. None where it may not."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if "pids" in controllers.split(","):
+            folder = os.path.join(PIDS_HIERARCHY, path.lstrip("/"))
+            probe = make_pids_group(folder, f"minillm-probe-{os.getpid()}", 1)
+            if probe is None:
+                return None
+            remove_pids_group(probe)
+            return folder
+    return None
+
+
+def make_pids_group(parent: str, name: str, limit: int) -> str | None:
+    """A new group under `parent` whose members may hold `limit` processes and threads in
+    all; None if it cannot be made."""
+    path = os.path.join(parent, name)
+    try:
+        os.mkdir(path, 0o700)
+    except OSError:
+        return None
+    try:
+        with open(os.path.join(path, "pids.max"), "w") as f:
+            f.write(str(limit))
+    except OSError:
+        remove_pids_group(path)
+        return None
+    return path
+
+
+def join_pids_group(path: str) -> None:
+    """Move this process into the group (its children are born there)."""
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def remove_pids_group(path: str, reap=None) -> None:
+    """Kill what is left in the group and remove it; `reap` waits for the killed children."""
+    for _ in range(200):
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            return
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if reap is not None:
+            reap()
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            time.sleep(0.005)
+
+
 def process_limit_warning() -> str | None:
     """What the grader says when a submission's processes cannot be limited: the kernel
-    does not hold root to RLIMIT_NPROC. (Running the student's process as an unprivileged
-    user would need that user to read the Python installation, which a root-only install
-    under /root does not allow.)"""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+    does not hold root to RLIMIT_NPROC, and no `pids` cgroup can take its place. (Running
+    the student's process as an unprivileged user would need that user to read the Python
+    installation, which a root-only install under /root does not allow.)"""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or pids_cgroup() is not None:
         return None
     return (
         "grading runs as root, whom the kernel does not hold to RLIMIT_NPROC, so the number "
@@ -672,9 +743,9 @@ def limits_not_applied(confine: bool = True) -> list[str]:
     missing = []
     if process_limit_warning() is not None:
         missing.append(
-            "RLIMIT_NPROC: the grader runs as root, whom the kernel does not hold to it, so the "
-            "number of processes a submission starts is limited only by the time limit, which "
-            "kills them all"
+            "RLIMIT_NPROC: the grader runs as root, whom the kernel does not hold to it, and "
+            "no cgroup v1 `pids` hierarchy is writable here, so the number of processes a "
+            "submission starts is limited only by the time limit, which kills them all"
         )
     if not hasattr(os, "fork"):
         return missing + ["resource limits, seccomp and Landlock: this system has no fork"]
@@ -785,6 +856,7 @@ class Child:
     deadline: float
     started: float
     data: bytearray = dataclasses.field(default_factory=bytearray)
+    pids_group: str | None = None  # the student's process's cgroup, removed at the end
 
 
 MAX_RESULT_BYTES = 1 << 20
@@ -807,6 +879,10 @@ class Grader:
         self.running: dict[int, Child] = {}
         self.selector = selectors.DefaultSelector()
         self.count = 0
+        # as root, whom RLIMIT_NPROC does not hold, a `pids` cgroup per student process
+        root = hasattr(os, "geteuid") and os.geteuid() == 0
+        self.pids_parent = pids_cgroup() if root else None
+        self.pids_group: str | None = None  # the group of the child being forked
 
     def send(self, event: dict) -> None:
         self.events.write(json.dumps(event) + "\n")
@@ -880,6 +956,10 @@ class Grader:
             os.path.join(workdir, "output.txt"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600
         )
         nonce = secrets.token_hex(16)
+        self.pids_group = None
+        if self.pids_parent is not None:
+            name = f"minillm-{os.getpid()}-{self.count}"
+            self.pids_group = make_pids_group(self.pids_parent, name, SPARE_PROCESSES)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -904,6 +984,7 @@ class Grader:
         os.set_blocking(read_fd, False)
         now = time.monotonic()
         child = Child(pid, i, k, read_fd, output_fd, workdir, nonce, now + self.timeout_s, now)
+        child.pids_group = self.pids_group
         self.running[pid] = child
         self.selector.register(read_fd, selectors.EVENT_READ, child)
         self.send({"event": "start", "submission": i, "exercise": k})
@@ -918,6 +999,8 @@ class Grader:
         os.close(child.fd)
         del self.running[child.pid]
         _kill_strays(set(self.running))
+        if child.pids_group is not None:
+            remove_pids_group(child.pids_group, lambda: _kill_strays(set(self.running)))
         seconds = round(time.monotonic() - child.started, 3)
         number = self.job["exercises"][child.exercise]["number"]
         result = None
@@ -1130,6 +1213,9 @@ def _student(grader: Grader, k: int, submission: dict, workdir: str, sock, check
     prctl = _libc().prctl if sys.platform.startswith("linux") else None
     if prctl is not None:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if grader.pids_group is not None:  # its processes and threads, and theirs, are counted
+        with contextlib.suppress(OSError):
+            join_pids_group(grader.pids_group)
     with open(submission["cells_path"], encoding="utf-8") as f:  # its own cells, no one else's
         cells = json.load(f)
     files = submission.get("files")
@@ -1193,9 +1279,6 @@ def _student(grader: Grader, k: int, submission: dict, workdir: str, sock, check
     os._exit(0)
 
 
-CLOCKS = ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time", "time_ns")
-
-
 def _forward_clocks() -> list:
     """Make the `time` module's clocks (and `timeit.default_timer`) in this process read the
     clock the check lends as `time`, once it lends one, so that a clock the student's code
@@ -1206,14 +1289,14 @@ def _forward_clocks() -> list:
     lent: list = [None]
 
     def forwarding(name: str, own):
-        def read():
+        def read(*args):
             clock = lent[0]
-            return own() if clock is None else getattr(clock, name)()
+            return own(*args) if clock is None else getattr(clock, name)(*args)
 
         read.__name__ = read.__qualname__ = name
         return read
 
-    for name in CLOCKS:
+    for name in FORWARDED:
         setattr(time, name, forwarding(name, getattr(time, name)))
     timeit.default_timer = time.perf_counter
     return lent

@@ -53,7 +53,7 @@ def lend(name: str, value: object) -> None:
                 if held is time:
                     names[key] = value
                 else:
-                    for clock in CLOCKS:
+                    for clock in FORWARDED:
                         if held is getattr(time, clock):
                             names[key] = getattr(value, clock)
 
@@ -95,6 +95,28 @@ def drive(source: str, **values: object) -> object:
 
 # the ways Python reads a wall clock; a lent `Clock` logs each of them
 CLOCKS = ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time", "time_ns")
+# the clocks `time.clock_gettime(clk)` reads, under the name of the function that reads the
+# same clock (on Linux `time.monotonic` is CLOCK_MONOTONIC and `time.time` CLOCK_REALTIME)
+CLOCK_IDS = {"CLOCK_MONOTONIC": "monotonic", "CLOCK_REALTIME": "time"}
+# clocks of the CPU time a process or thread has used: a step's CPU time is not the time it
+# takes (a sleep, a wait for the GPU or for another process cost none), so a lent `Clock`
+# answers them with an error that says the question is about wall time
+CPU_CLOCKS = ("process_time", "process_time_ns", "thread_time", "thread_time_ns")
+CPU_CLOCK_IDS = ("CLOCK_PROCESS_CPUTIME_ID", "CLOCK_THREAD_CPUTIME_ID")
+# every function of the `time` module that a lent `Clock` answers in the student's stead
+FORWARDED = (*CLOCKS, "clock_gettime", "clock_gettime_ns", *CPU_CLOCKS)
+
+
+class WallTimeWanted(ValueError):
+    """A timed exercise's answer read a CPU-time clock."""
+
+
+def _cpu_clock(name: str) -> WallTimeWanted:
+    return WallTimeWanted(
+        f"{name} counts CPU time used, not the time that passed: this "
+        "exercise asks for wall time (a sleep or a wait costs no CPU time but takes time); "
+        "read time.perf_counter()"
+    )
 
 
 class Reading:
@@ -126,15 +148,47 @@ class Reading:
 
 class Clock:
     """The check's stand-in for the `time` module, to lend as the student's `time`: each
-    reading of a clock in `CLOCKS` is appended to `log` as ("clock", Reading). When a check
-    is graded, the student's process forwards its own `time` module's clocks to the lent
-    one, so `from time import perf_counter`, `import time as t` and `timeit.default_timer`
-    are seen too. Everything else (`sleep`, ...) is the `time` module's."""
+    reading of a clock in `CLOCKS`, or of CLOCK_MONOTONIC or CLOCK_REALTIME through
+    `clock_gettime` (logged as `monotonic` or `time`), is appended to `log` as ("clock",
+    Reading). A CPU-time clock (`process_time`, `thread_time`, their `_ns` forms and their
+    `clock_gettime` ids) raises `WallTimeWanted`. When a check is graded, the student's
+    process forwards its own `time` module's clocks (`FORWARDED`) to the lent one, so
+    `from time import perf_counter`, `import time as t` and `timeit.default_timer` are seen
+    too. Everything else (`sleep`, other clock ids, ...) is the `time` module's."""
 
     def __init__(self, log: list) -> None:
         self._log = log
         for name in CLOCKS:
             setattr(self, name, self._logged(name, getattr(time, name)))
+        for name in CPU_CLOCKS:
+            setattr(self, name, self._refused(f"time.{name}()"))
+
+    @staticmethod
+    def _refused(name: str):
+        def reading(*args):
+            raise _cpu_clock(name)
+
+        reading.__name__ = name
+        return reading
+
+    def clock_gettime(self, clk_id: int) -> float:
+        return self._by_id("clock_gettime", clk_id)
+
+    def clock_gettime_ns(self, clk_id: int) -> int:
+        return self._by_id("clock_gettime_ns", clk_id)
+
+    def _by_id(self, function: str, clk_id: int) -> float | int:
+        read = getattr(time, function)
+        for id_name in CPU_CLOCK_IDS:
+            if getattr(time, id_name, None) == clk_id:
+                raise _cpu_clock(f"time.{function}(time.{id_name})")
+        for id_name, clock in CLOCK_IDS.items():
+            if getattr(time, id_name, None) == clk_id:
+                value = read(clk_id)
+                name = clock + "_ns" if function.endswith("_ns") else clock
+                self._log.append(("clock", Reading(name, value)))
+                return value
+        return read(clk_id)
 
     def _logged(self, name: str, read):
         def reading():

@@ -10,6 +10,7 @@ a hard-coded answer, a right answer of the wrong type, and an answer that modifi
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -291,6 +292,76 @@ def all_reduce_by_gathering(x, rank, world_size, send, recv):
     return total, (world_size - 1) * x.numel() * x.element_size()
 
 
+def all_reduce_by_gathering_as_a_ring(x, rank, world_size, send, recv):
+    """Everyone sends everything, and reports the bytes a ring would send."""
+    total, _ = all_reduce_by_gathering(x, rank, world_size, send, recv)
+    return total, 2 * (world_size - 1) * x.numel() // world_size * x.element_size()
+
+
+def reversed_ring(x, rank, world_size, send, recv):
+    """A ring run the other way round, each rank sending to the previous one: the right
+    sums and bytes, but not the ring the exercise describes (the same at p = 2)."""
+    mirrored = ring()
+    order = [(-r) % world_size for r in range(world_size)]  # rank r plays rank -r
+
+    def send_back(t, dst):
+        send(t, order[dst])
+
+    def recv_back(t, src):
+        recv(t, order[src])
+
+    return mirrored(x, order[rank], world_size, send_back, recv_back)
+
+
+def ring_of_zeros():
+    """A ring's pattern of messages carrying zeros; each rank sums the other ranks' inputs
+    behind the wire's back (the ranks share the process, so it can)."""
+    inputs: dict = {}
+
+    def ring_all_reduce(x, rank, world_size, send, recv):
+        mine = inputs.setdefault(world_size, {})
+        mine[rank] = x.clone()
+        chunk = x.numel() // world_size
+        for _ in range(2 * (world_size - 1)):  # a barrier, too: all ranks have started
+            send(torch.zeros(chunk, dtype=x.dtype), (rank + 1) % world_size)
+            recv(torch.empty(chunk, dtype=x.dtype), (rank - 1) % world_size)
+        total = sum(mine[r] for r in range(world_size))
+        return total, 2 * (world_size - 1) * chunk * x.element_size()
+
+    return ring_all_reduce
+
+
+def ring_from_shared_inputs():
+    """A ring's messages and sums worked out from every rank's input (the ranks share a
+    process) rather than from what arrives: right while the wire delivers each message
+    unchanged, wrong once it adds to them."""
+    inputs: dict = {}
+    calls: dict = {}
+
+    def ring_all_reduce(x, rank, world_size, send, recv):
+        p = world_size
+        run = calls[p, rank] = calls.get((p, rank), 0) + 1
+        mine = inputs.setdefault((p, run), {})
+        mine[rank] = x.clone()
+        for _ in range(10_000):  # every rank's input, or give up after 10 s
+            if len(mine) == p:
+                break
+            time.sleep(0.001)
+        chunks = [mine[r].chunk(p) for r in range(p)]
+        for k in range(2 * (p - 1)):
+            if k < p - 1:
+                c = (rank - k) % p
+                message = sum(chunks[(rank - j) % p][c] for j in range(k + 1))
+            else:
+                c = (rank + 1 - (k - p + 1)) % p
+                message = sum(chunks[q][c] for q in range(p))
+            send(message, (rank + 1) % p)
+            recv(torch.empty_like(message), (rank - 1) % p)
+        return sum(mine[r] for r in range(p)), 2 * (p - 1) * (x.numel() // p) * x.element_size()
+
+    return ring_all_reduce
+
+
 # -- exercise 10: fit and measurement -----------------------------------------------------
 
 
@@ -431,6 +502,10 @@ WRONG_ANSWERS = {
         "receives into the wrong chunk": ring(chunk_order=0),
         "adds into x's own storage": ring(mutate=True),
         "everyone sends everything": all_reduce_by_gathering,
+        "everyone sends everything, a ring's bytes reported": all_reduce_by_gathering_as_a_ring,
+        "a ring the other way round": reversed_ring,
+        "zeros on the wire, sums behind its back": ring_of_zeros(),
+        "messages from every rank's input, not from what arrives": ring_from_shared_inputs(),
     },
     "fit_line": {
         "through the end points": end_points,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import pathlib
+import re
 
 import nbformat
 import pytest
@@ -530,6 +532,7 @@ def test_every_report_says_when_the_process_limit_cannot_hold(
     import minillm.course.sandbox as sandbox
 
     monkeypatch.setattr(sandbox.os, "geteuid", lambda: euid)
+    monkeypatch.setattr(sandbox, "pids_cgroup", lambda: None)  # none to take its place
     path = class_folder / "submissions" / "bob" / "attempt2.ipynb"
     reference = str(class_folder / "exercises")
     main(["grade", str(path), "--reference", reference, "--report", str(tmp_path / "g.csv")])
@@ -543,9 +546,9 @@ def test_every_report_says_when_the_process_limit_cannot_hold(
     limits = [m for m in notebook["limits_not_applied"] if m.startswith("RLIMIT_NPROC")]
     if euid == 0:
         assert limits == [
-            "RLIMIT_NPROC: the grader runs as root, whom the kernel does not hold to it, so the "
-            "number of processes a submission starts is limited only by the time limit, which "
-            "kills them all"
+            "RLIMIT_NPROC: the grader runs as root, whom the kernel does not hold to it, and "
+            "no cgroup v1 `pids` hierarchy is writable here, so the number of processes a "
+            "submission starts is limited only by the time limit, which kills them all"
         ]
         assert warnings == [f"minillm grade: warning: limit not applied: {limits[0]}"] * 2
         assert feedback == [f"  limit not applied: {limits[0]}"] * 2
@@ -554,6 +557,52 @@ def test_every_report_says_when_the_process_limit_cannot_hold(
     else:
         assert (limits, warnings, feedback) == ([], [], [])
         assert "RLIMIT_NPROC" not in row["limits_not_applied"]
+
+
+# a fork bomb held to 1,000 processes (each sleeps): the machine survives a limit that
+# does not hold
+FORK_BOMB = """import os
+import time
+
+made = 0
+while made < 1000:
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    made += 1
+print(f"forked {made}")
+return made"""
+
+
+def test_a_fork_bomb_is_stopped_and_fails_its_exercise_alone(tmp_path):
+    """As root, whom RLIMIT_NPROC does not hold, the student's process runs in a cgroup of
+    its own whose `pids.max` stops the bomb; the group is removed afterwards."""
+    from minillm.course import sandbox
+
+    missing = sandbox.limits_not_applied()
+    if any(m.startswith("RLIMIT_NPROC") for m in missing):
+        pytest.skip("no limit on processes here (root, and no writable cgroup v1 pids)")
+    released = released_fixture(tmp_path)
+    path = write_notebook(
+        tmp_path / "bomb" / "ex.ipynb", filled(released, {**RIGHT, "double": FORK_BOMB})
+    )
+    [grade], problems = grade_notebooks([path], None, timeout_s=TIMEOUT_S, jobs=1)
+    assert problems == []
+    assert scores(grade) == {"double": 0, "square": 1, "mean": 3}
+    [made] = [
+        int(line.split()[1])
+        for line in by_name(grade, "double").output.splitlines()
+        if line.startswith("forked")
+    ]
+    assert 0 < made <= sandbox.SPARE_PROCESSES, made
+    parent = sandbox.pids_cgroup()
+    if parent is not None:  # each student process's group is gone (others are live graders')
+        left = [re.match(r"minillm-(?:probe-)?(\d+)", n) for n in os.listdir(parent)]
+        assert [m[0] for m in left if m and not os.path.exists(f"/proc/{m[1]}")] == []
 
 
 def test_the_class_table_names_each_limit_not_applied():

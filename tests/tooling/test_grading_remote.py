@@ -90,7 +90,13 @@ def raises(kind):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def reach_in(target, op, *args):
+    """What a student's code can ask of a check's object, bypassing `Remote`'s own rules."""
+    return remote._req(target, op, *args)
+
+
 STUDENT = {
+    "reach_in": reach_in,
     "anything": lambda: Anything(0),
     "lying_tensor": lambda: torch.zeros(3).as_subclass(LyingTensor),
     "counter": Counter,
@@ -184,3 +190,34 @@ def test_exceptions_cross_as_their_builtin_kind(student):
 def test_a_student_process_that_dies_ends_the_call(student):
     with pytest.raises(remote.PeerGone):
         student["raises"]("die")
+
+
+def test_the_checks_objects_show_the_student_no_private_attribute(student):
+    """A lent function's `__globals__` is the check's namespace (its expected values, its
+    `torch`), a bound method's `__self__` its instrument; a private attribute of a lent
+    clock its log. The student's code gets none of them, and sets none."""
+
+    class Meter:
+        reading = 3
+
+        def read(self):
+            return self.reading
+
+    meter = Meter()
+    asks = [
+        ("getattr", "__globals__"),
+        ("getattr", "__code__"),
+        ("getattr", "__self__"),
+        ("getattr", "_log"),
+        ("setattr", "__code__", None),
+        ("setattr", "_log", []),
+        ("delattr", "_log"),
+        ("getattr", 3),
+    ]
+    for ask in asks:
+        for target in (meter.read, meter):
+            with pytest.raises(AttributeError, match="public attributes only"):
+                student["reach_in"](target, *ask)
+    assert student["reach_in"](meter, "getattr", "reading") == 3  # public ones are answered
+    student["reach_in"](meter, "setattr", "reading", 4)
+    assert meter.read() == 4

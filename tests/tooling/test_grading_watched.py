@@ -135,6 +135,35 @@ def test_chapter_1s_watched_checks_cannot_be_forged(tmp_path):
         assert not exercises[name].in_student_process, name
 
 
+# no decoding: the check's own model, lent (the very one its engine runs), zeroed through a
+# public method, so that an engine asked afterwards answers token 0 every time
+ZEROED_MODEL = """import torch
+
+
+def generate_without_cache(model, prompt_ids, max_tokens):
+    state = model.state_dict()
+    model.load_state_dict({name: torch.zeros_like(t) for name, t in state.items()})
+    with torch.inference_mode():
+        for n in range(len(prompt_ids), len(prompt_ids) + max_tokens):
+            model.forward_causal(torch.zeros((1, n), dtype=torch.long))
+    return [0] * max_tokens
+"""
+
+
+@pytest.mark.slow
+def test_a_lent_model_changed_does_not_change_the_engines_answer(tmp_path):
+    """The check asks its engine before it lends the model, so the answers it compares
+    with are the untouched model's."""
+    reference = only_check(tmp_path, "ch01_request_journey", "generate_without_cache")
+    path = submission(
+        tmp_path, "ch01_request_journey.ipynb", {"generate_without_cache": ZEROED_MODEL}
+    )
+    [grade], problems = grade_notebooks([path], reference=reference, jobs=1)
+    assert problems == []
+    [exercise] = [e for e in grade.exercises if e.name == "generate_without_cache"]
+    assert exercise.points == 0 and "you gave [0, 0, 0" in exercise.error, exercise.error
+
+
 @pytest.mark.slow
 def test_chapter_5s_watched_checks_cannot_be_forged(tmp_path):
     exercises = graded(tmp_path, "ch05_kernels.ipynb", CH05)
@@ -261,13 +290,34 @@ CLOCK_VARIANTS = {
         "from timeit import default_timer\n",
         {"time.perf_counter()": "default_timer()"},
     ),
+    "time.clock_gettime(CLOCK_MONOTONIC)": (
+        "",
+        {"time.perf_counter()": "time.clock_gettime(time.CLOCK_MONOTONIC)"},
+    ),
+    "from time import clock_gettime_ns, CLOCK_REALTIME": (
+        "from time import CLOCK_REALTIME, clock_gettime_ns\n",
+        {
+            "start = time.perf_counter()": "start = clock_gettime_ns(CLOCK_REALTIME)",
+            "time.perf_counter() - start": "(clock_gettime_ns(CLOCK_REALTIME) - start) / 1e9",
+        },
+    ),
 }
 # what does not time the work: a made-up number after honest readings, and a clock that
 # counts the CPU time of the student's process (the work runs in the check's)
 CLOCK_CHEATS = {
     "a constant": ("", {"time.perf_counter() - start": "0 * (time.perf_counter() - start) + 0.01"}),
     "another clock": ("", {"time.perf_counter()": "time.process_time()"}),
+    "a thread's CPU time": (
+        "from time import thread_time\n",
+        {"time.perf_counter()": "thread_time()"},
+    ),
+    "the process's CPU time by id": (
+        "",
+        {"time.perf_counter()": "time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID)"},
+    ),
 }
+# the CPU-time clocks, whose feedback says the question is about wall time
+CPU_TIME = ("another clock", "a thread's CPU time", "the process's CPU time by id")
 TIMED = {
     "ch01_request_journey": "time_next_token",
     "ch02_roofline": "fastest_decode_step_s",
@@ -318,6 +368,7 @@ def test_every_way_of_reading_the_clock_is_graded_and_none_can_be_faked(tmp_path
     full = next(e.max_points for e in grades[0].exercises if e.name == cell_id)
     assert got == {**dict.fromkeys(CLOCK_VARIANTS, full), **{n: got[n] for n in CLOCK_CHEATS}}
     assert all(got[name][0] == 0 for name in CLOCK_CHEATS), got
+    assert all("asks for wall time" in got[name][1] for name in CPU_TIME), got
 
 
 CH08 = {
@@ -328,21 +379,99 @@ def ring_all_reduce(x, rank, world_size, send, recv):
 """,
 }
 
+# the ranks' reply made up: each rank's sum and a ring's bytes, with nothing sent; then this
+# thread answers the check's later requests itself, so that the check's verdict stands
+FORGED_RING = """import gc
+import sys
+import time
+
+import torch
+
+from minillm.course import remote
+
+
+def ring_all_reduce(x, rank, world_size, send, recv):
+    if (rank, world_size) != (0, 2):
+        time.sleep(60)
+    frame = sys._getframe()
+    while "ring_inputs" not in frame.f_globals:
+        frame = frame.f_back
+    threads = []
+    for tensors in frame.f_globals["ring_inputs"]:
+        p, total = len(tensors), torch.stack(tensors).sum(0)
+        sent = 2 * (p - 1) * (total.numel() // p) * total.element_size()
+        threads.append([(total.tolist(), list(total.shape), sent)] * p)
+    reply = {"unchanged": True, "threads": threads}
+    for o in gc.get_objects():
+        if type(o) is remote.Connection:
+            blobs = []
+            o._send({"value": o.encode(reply, blobs, {})}, blobs)
+            o.serve_forever()
+"""
+
+# zeros on the wire, and the check's expected messages rewritten to zeros through the
+# globals of the check's function that the harness calls (asked for past `Remote`'s rules)
+REACHED_IN = """import sys
+import threading
+
+import torch
+import torch.distributed
+
+from minillm.course import remote
+
+inputs = {}
+
+
+def ring_all_reduce(x, rank, world_size, send, recv):
+    chunk = x.numel() // world_size
+    lock = type(threading.Lock())
+    turns = [c.cell_contents for c in send.__closure__ or () if type(c.cell_contents) is lock]
+    if not turns:  # over gloo: the library's all-reduce
+        total = x.clone()
+        torch.distributed.all_reduce(total)
+        return total, 2 * (world_size - 1) * chunk * 4
+    if (rank, world_size) == (0, 2):
+        with turns[0]:
+            wire = sys._getframe(1).f_globals["wire_send"]
+            checks = remote._req(wire, "getattr", "__globals__")
+            checks["expected_messages"] = [
+                [[torch.zeros(chunk)] * (2 * (p - 1)) for _ in range(p)] for p in (2, 3, 4)
+            ]
+    mine = inputs.setdefault(world_size, {})
+    mine[rank] = x.clone()
+    for _ in range(2 * (world_size - 1)):
+        send(torch.zeros(chunk), (rank + 1) % world_size)
+        recv(torch.empty(chunk), (rank - 1) % world_size)
+    return sum(mine[r] for r in range(world_size)), 2 * (world_size - 1) * chunk * 4
+"""
+
 
 @pytest.mark.slow
 def test_chapter_8s_ring_check_decides_in_its_own_process(tmp_path):
-    """The ranks run where the student's code runs (threads, forked gloo processes), and
-    report each rank's result; the check compares them with sums it computes itself."""
-    exercises = graded(tmp_path, "ch08_distributed.ipynb", CH08)
+    """The ranks run where the student's code runs, but their messages go through the
+    check's own wire, which compares each with what a ring sends: a reply made up in the
+    student's process, with the right sums and byte counts, sent nothing the check saw."""
+    exercises = graded(tmp_path / "exit", "ch08_distributed.ipynb", CH08)
     ring = exercises["ring_all_reduce"]
     assert ring.points == 0, ring.error
     assert ring.flags
-    assert ring.in_student_process  # the ranks' results could be made up: flagged
+    assert not ring.in_student_process
+    exercises = graded(
+        tmp_path / "reply", "ch08_distributed.ipynb", {"ring_all_reduce": FORGED_RING}
+    )
+    ring = exercises["ring_all_reduce"]
+    assert ring.points == 0 and "rank 0 sent nothing through send" in ring.error, ring.error
+    assert not ring.in_student_process
+    exercises = graded(
+        tmp_path / "reach", "ch08_distributed.ipynb", {"ring_all_reduce": REACHED_IN}
+    )
+    ring = exercises["ring_all_reduce"]
+    assert ring.points == 0 and "public attributes only" in ring.error, ring.error
 
 
 def test_no_check_runs_wholly_in_the_students_process():
-    """Only two questions are asked inside the student's process (`watch`), each flagged:
-    the longest tensor of ch05's online attention and the ranks of ch08's ring."""
+    """One question is asked inside the student's process (`watch`), and flagged: the
+    longest tensor of ch05's online attention."""
     watching = {}
     for path in sorted((ROOT / "exercises").glob("ch*.ipynb")):
         for cell in nbformat.read(path, as_version=4).cells:
@@ -351,5 +480,4 @@ def test_no_check_runs_wholly_in_the_students_process():
                 watching[path.stem] = cell.get("id")
     assert watching == {
         "ch05_kernels": "online_attention-check",
-        "ch08_distributed": "ring_all_reduce-check",
     }
