@@ -497,10 +497,11 @@ class LLMEngine:
         when the sequence grew past its count at planning and ends in a real token (async
         scheduling: not the placeholder of a step planned ahead)."""
         restore: dict[str, object] = {}
+        workers = self.executor is not None  # they hold the streams, by step (Worker)
         for plan in reversed(plans):  # the earliest plan last: its state wins
             lengths = self._plan_lengths.pop(id(plan), {})
             states = self._plan_generators.pop(id(plan), None)
-            if states is None:  # it never ran (cancelled), or worker processes hold them
+            if states is None and not workers:  # it never ran (cancelled)
                 continue
             for scheduled in plan.scheduled:
                 for seq in scheduled.sampling_seqs:
@@ -508,9 +509,18 @@ class LLMEngine:
                         len(seq.all_token_ids) > lengths.get(seq.request_id, len(seq.all_token_ids))
                         and seq.all_token_ids[-1] != PLACEHOLDER_TOKEN_ID
                     )
-                    if not kept and not seq.is_finished and seq.request_id in states:
+                    if kept or seq.is_finished:
+                        continue
+                    if workers:
+                        restore[seq.request_id] = plan.step
+                    elif seq.request_id in states:
                         restore[seq.request_id] = states[seq.request_id]
-        if restore:
+        if not restore:
+            return
+        if workers:
+            if self.executor.spec.kv_transfer is None:  # disaggregated: not rewound
+                self.executor.call("rewind_streams", restore)
+        else:
             self.model_runner.restore_generators(restore)
 
     def _forward_in_order(self, plan: SchedulerOutput) -> tuple[dict, list]:
@@ -559,8 +569,9 @@ class LLMEngine:
             return self._run_one_by_one(plan, generators)
 
     def _generator_states(self, plan: SchedulerOutput) -> dict | None:
-        """The random streams of the plan's sequences before it runs (one process only: worker
-        processes keep theirs, and a fault there is a WorkerError)."""
+        """The random streams of the plan's sequences before it runs (one process only: the
+        worker processes' driver rank keeps its own by step and puts them back itself when a
+        step runs again, `Worker.rewind_streams` when the engine takes steps back)."""
         if self.executor is not None:
             return None
         seq_ids = [seq.request_id for s in plan.scheduled for seq in s.sampling_seqs]

@@ -23,7 +23,7 @@ import tempfile
 import time
 
 from tests.engine.tiny_llama import build_tiny_llama
-from tests.faults.scenarios import CONFIGS, make_env, run_scenario
+from tests.faults.scenarios import ALL_CONFIGS, make_env, run_scenario
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         failures: list[str] = []
         seed = first
         while time.monotonic() < deadline and (args.count is None or seed - first < args.count):
-            config = random.Random(seed).choice(sorted(CONFIGS))
+            config = random.Random(seed).choice(sorted(ALL_CONFIGS))
             problems = run_scenario(seed, env, config)
             runs[config] += 1
             for problem in problems:
