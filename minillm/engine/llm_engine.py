@@ -48,7 +48,7 @@ from minillm.lora.request import LoRARequest
 from minillm.model.loader import load_model, resolve_device
 from minillm.model.lora import LoRAManager
 from minillm.model.moe import require_moe, routing_recorder
-from minillm.outputs import RequestOutput
+from minillm.outputs import RequestOutput, SampledToken
 from minillm.sampling_params import SamplingParams
 from minillm.spec.spec_runner import SpecDecodingStats
 from minillm.structured.grammar import StructuredOutputManager
@@ -144,6 +144,9 @@ class LLMEngine:
         # processed, oldest first, and how many may be (None: each step drains the pipeline)
         self.pipeline_batches_in_flight = args.pipeline_batches_in_flight
         self._batches: collections.deque[SchedulerOutput] = collections.deque()
+        # disaggregation: the transfers that landed, taken from the executor and not yet
+        # handed to the scheduler (kept across a step that raises while they are processed)
+        self._arrived: list[tuple[str, SampledToken | None]] = []
         if self.async_scheduling:
             self._forward_thread = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="minillm-forward"
@@ -254,13 +257,16 @@ class LLMEngine:
             self.scheduler.requeue(plan)
             raise
         try:
-            return self._process(plan, sampled, failed, self._arrived_kvs())
+            self._take_arrived()
+            return self._process(plan, sampled, failed)
         except BaseException:
             # interrupted or a bug while processing: the step may be half applied; its
             # unfinished requests recompute from the tokens they have, the finished ones are
             # reported
+            self._cancel_transfers()
             self._rewind_generators([plan])
             self.scheduler.requeue(plan)
+            self._drop_stale_arrivals()
             self._report_stranded()
             raise
 
@@ -446,21 +452,36 @@ class LLMEngine:
         self.scheduler.forward_done(None)
         self._report_stranded()
 
-    def _arrived_kvs(self) -> list:
-        """Disaggregation: (sequence id, first token) of the requests whose KV has landed on
-        the decode rank since the last step; empty otherwise."""
-        if self.executor is None or self.executor.spec.kv_transfer is None:
-            return []
-        return self.executor.take_arrived()
+    def _take_arrived(self) -> None:
+        """Disaggregation: take (sequence id, first token) of the requests whose KV has landed
+        on the decode rank since the last step into `_arrived`, where they stay until the
+        scheduler has them (a step that raises meanwhile loses none)."""
+        if self.executor is not None and self.executor.spec.kv_transfer is not None:
+            self._arrived += self.executor.take_arrived()
 
-    def _process(
-        self, plan: SchedulerOutput, sampled: dict, failed: list, arrived: list = ()
-    ) -> list[RequestOutput]:
-        """Step `plan`'s tokens: update the requests, text and stop strings, stats, outputs."""
+    def _drop_stale_arrivals(self) -> None:
+        """Disaggregation, a step taken back after its arrivals were taken: keep those a
+        request still waits for (its KV, or the release of the blocks held for a transfer),
+        oldest first; drop the arrival of a prompt the step sent whose KV landed at once,
+        since the request now recomputes it (its blocks were given back, the write done)."""
+        scheduler, kept = self.scheduler, []
+        owed = collections.Counter(
+            {seq_id: len(held) for seq_id, held in scheduler.finished_awaiting_kvs.items()}
+        )
+        owed.update(scheduler.waiting_for_remote_kvs.keys())
+        for seq_id, token in self._arrived:
+            if owed[seq_id] > 0:
+                owed[seq_id] -= 1
+                kept.append((seq_id, token))
+        self._arrived = kept
+
+    def _process(self, plan: SchedulerOutput, sampled: dict, failed: list) -> list[RequestOutput]:
+        """Step `plan`'s tokens: update the requests, text and stop strings, stats, outputs;
+        disaggregated, the requests whose KV has landed as well (`_take_arrived`)."""
         self._abort_failed(failed)
         progressed = self.scheduler.update_from_output(plan, sampled)
-        if arrived:
-            progressed += self.scheduler.update_from_remote_kvs(arrived)
+        if self._arrived:
+            progressed += self.scheduler.update_from_remote_kvs(self._arrived)
         if self.enable_jump_forward:
             self._jump_forward(progressed)
         stopped, failed_text = self.output_processor.detokenize(progressed)
