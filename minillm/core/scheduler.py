@@ -537,11 +537,14 @@ class Scheduler:
         token the prefill instance sampled for each (vLLM V1: `finished_recving`). They rejoin
         the running batch with that token appended, or finish with it; a sequence that was
         aborted meanwhile gives its blocks back now that no transfer writes into them.
-        Returns the sequences that got their token."""
+        Each arrival leaves the list `arrived` as it is applied, so that those an
+        interruption leaves there are still to apply. Returns the sequences that got their
+        token."""
         now = self.clock()
         progressed: list[Request] = []
         finished: list[Request] = []
-        for seq_id, token in arrived:  # in transfer order: an id may have been used again
+        while arrived:  # in transfer order: an id may have been used again
+            seq_id, token = arrived.pop(0)
             held = self.finished_awaiting_kvs.get(seq_id)
             if held:
                 self.kv_cache_manager.block_pool.free_blocks(reversed(held.pop(0)))
@@ -634,7 +637,11 @@ class Scheduler:
             for seq in reversed([scheduled.request, *scheduled.forks]):
                 if seq.is_finished or seq.status == RequestStatus.PREEMPTED:
                     continue
-                self.running.remove(seq)
+                if seq.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    # disaggregation: its prompt's transfer, sent by this step, was cancelled
+                    del self.waiting_for_remote_kvs[seq.request_id]
+                else:
+                    self.running.remove(seq)
                 self._preempt(seq)
 
     def _free_finished(self, finished: list[Request], now: float) -> None:

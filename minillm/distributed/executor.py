@@ -290,6 +290,8 @@ class MultiprocExecutor:
         the decode rank and whose first token rank 0 has reported, in transfer order. A
         cancelled transfer comes as (request id, None): the blocks held for it are free now."""
         ready = sorted(t for t in self._first_tokens if t in self._landed)
+        # taken, a transfer of the step being run is no longer on its way (`cancel_step`)
+        self._step_transfers = [(t, r) for t, r in self._step_transfers if t not in ready]
         arrived = []
         for transfer_id in ready:
             arrived += self._first_tokens.pop(transfer_id)[1]

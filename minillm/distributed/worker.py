@@ -42,6 +42,8 @@ from minillm.worker.sampler import Sampler
 
 # per-step records kept on each rank (a bounded window, like the engine's statistics)
 STEP_RECORDS = 1024
+# steps whose random streams the driver keeps: more than the batches that may be in flight
+STREAM_STEPS = 16
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,6 +117,10 @@ class Worker:
         # pipeline batches in flight (one micro-batch each): the hidden states this stage sent
         # that the next one may not have received yet; None: every step waits for its sends
         self.sends: list | None = [] if spec.batches_in_flight else None
+        # the driver: its sequences' random streams before each recent step sampled, by step,
+        # so that a step run again (a batch a stage raised on, each request alone) draws
+        # what a clean run draws
+        self.streams_before: collections.OrderedDict[int, dict] = collections.OrderedDict()
 
     @torch.inference_mode()
     def execute_model(self, plan: SchedulerOutput) -> dict[str, SampledToken] | None:
@@ -153,7 +159,32 @@ class Worker:
             return StageFault(self.rank, "\n".join(faults))
         if not self.is_driver:
             return None
-        return runner.sample(logits, rows) if rows else {}
+        if not rows:
+            return {}
+        self._rewind_streams(plan.step, [seq.request_id for seqs in rows for seq in seqs])
+        return runner.sample(logits, rows)
+
+    def _rewind_streams(self, step: int, seq_ids: list[str]) -> None:
+        """Before the driver samples for `step`: the first time, note where the sequences'
+        random streams are; when the step runs again (an earlier stage raised on its batch,
+        whose rows this rank sampled from zeros all the same), put them back there first."""
+        before = self.streams_before.get(step)
+        if before is None:
+            self.streams_before[step] = self.runner.generator_states(seq_ids)
+            while len(self.streams_before) > STREAM_STEPS:
+                self.streams_before.popitem(last=False)
+            return
+        self.runner.restore_generators({s: before[s] for s in seq_ids if s in before})
+
+    def rewind_streams(self, steps: dict[str, int]) -> None:
+        """The engine took steps back (Ctrl-C) after this rank sampled for them: put each
+        sequence's random stream back to where it was before `steps[seq_id]` sampled, so
+        that it does not draw again for the same token. A step this rank never sampled
+        for drew nothing."""
+        for seq_id, step in steps.items():
+            before = self.streams_before.get(step, {})
+            if seq_id in before:
+                self.runner.restore_generators({seq_id: before[seq_id]})
 
     def step_records(self) -> list[StepRecord]:
         return list(self.records)

@@ -48,7 +48,7 @@ from minillm.lora.request import LoRARequest
 from minillm.model.loader import load_model, resolve_device
 from minillm.model.lora import LoRAManager
 from minillm.model.moe import require_moe, routing_recorder
-from minillm.outputs import RequestOutput
+from minillm.outputs import RequestOutput, SampledToken
 from minillm.sampling_params import SamplingParams
 from minillm.spec.spec_runner import SpecDecodingStats
 from minillm.structured.grammar import StructuredOutputManager
@@ -144,6 +144,9 @@ class LLMEngine:
         # processed, oldest first, and how many may be (None: each step drains the pipeline)
         self.pipeline_batches_in_flight = args.pipeline_batches_in_flight
         self._batches: collections.deque[SchedulerOutput] = collections.deque()
+        # disaggregation: the transfers that landed, taken from the executor and not yet
+        # handed to the scheduler (kept across a step that raises while they are processed)
+        self._arrived: list[tuple[str, SampledToken | None]] = []
         if self.async_scheduling:
             self._forward_thread = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="minillm-forward"
@@ -254,13 +257,16 @@ class LLMEngine:
             self.scheduler.requeue(plan)
             raise
         try:
-            return self._process(plan, sampled, failed, self._arrived_kvs())
+            self._take_arrived()
+            return self._process(plan, sampled, failed)
         except BaseException:
             # interrupted or a bug while processing: the step may be half applied; its
             # unfinished requests recompute from the tokens they have, the finished ones are
             # reported
+            self._cancel_transfers()
             self._rewind_generators([plan])
             self.scheduler.requeue(plan)
+            self._drop_stale_arrivals()
             self._report_stranded()
             raise
 
@@ -446,21 +452,36 @@ class LLMEngine:
         self.scheduler.forward_done(None)
         self._report_stranded()
 
-    def _arrived_kvs(self) -> list:
-        """Disaggregation: (sequence id, first token) of the requests whose KV has landed on
-        the decode rank since the last step; empty otherwise."""
-        if self.executor is None or self.executor.spec.kv_transfer is None:
-            return []
-        return self.executor.take_arrived()
+    def _take_arrived(self) -> None:
+        """Disaggregation: take (sequence id, first token) of the requests whose KV has landed
+        on the decode rank since the last step into `_arrived`, where they stay until the
+        scheduler has them (a step that raises meanwhile loses none)."""
+        if self.executor is not None and self.executor.spec.kv_transfer is not None:
+            self._arrived += self.executor.take_arrived()
 
-    def _process(
-        self, plan: SchedulerOutput, sampled: dict, failed: list, arrived: list = ()
-    ) -> list[RequestOutput]:
-        """Step `plan`'s tokens: update the requests, text and stop strings, stats, outputs."""
+    def _drop_stale_arrivals(self) -> None:
+        """Disaggregation, a step taken back after its arrivals were taken: keep those a
+        request still waits for (its KV, or the release of the blocks held for a transfer),
+        oldest first; drop the arrival of a prompt the step sent whose KV landed at once,
+        since the request now recomputes it (its blocks were given back, the write done)."""
+        scheduler, kept = self.scheduler, []
+        owed = collections.Counter(
+            {seq_id: len(held) for seq_id, held in scheduler.finished_awaiting_kvs.items()}
+        )
+        owed.update(scheduler.waiting_for_remote_kvs.keys())
+        for seq_id, token in self._arrived:
+            if owed[seq_id] > 0:
+                owed[seq_id] -= 1
+                kept.append((seq_id, token))
+        self._arrived = kept
+
+    def _process(self, plan: SchedulerOutput, sampled: dict, failed: list) -> list[RequestOutput]:
+        """Step `plan`'s tokens: update the requests, text and stop strings, stats, outputs;
+        disaggregated, the requests whose KV has landed as well (`_take_arrived`)."""
         self._abort_failed(failed)
         progressed = self.scheduler.update_from_output(plan, sampled)
-        if arrived:
-            progressed += self.scheduler.update_from_remote_kvs(arrived)
+        if self._arrived:
+            progressed += self.scheduler.update_from_remote_kvs(self._arrived)
         if self.enable_jump_forward:
             self._jump_forward(progressed)
         stopped, failed_text = self.output_processor.detokenize(progressed)
@@ -497,10 +518,11 @@ class LLMEngine:
         when the sequence grew past its count at planning and ends in a real token (async
         scheduling: not the placeholder of a step planned ahead)."""
         restore: dict[str, object] = {}
+        workers = self.executor is not None  # they hold the streams, by step (Worker)
         for plan in reversed(plans):  # the earliest plan last: its state wins
             lengths = self._plan_lengths.pop(id(plan), {})
             states = self._plan_generators.pop(id(plan), None)
-            if states is None:  # it never ran (cancelled), or worker processes hold them
+            if states is None and not workers:  # it never ran (cancelled)
                 continue
             for scheduled in plan.scheduled:
                 for seq in scheduled.sampling_seqs:
@@ -508,9 +530,18 @@ class LLMEngine:
                         len(seq.all_token_ids) > lengths.get(seq.request_id, len(seq.all_token_ids))
                         and seq.all_token_ids[-1] != PLACEHOLDER_TOKEN_ID
                     )
-                    if not kept and not seq.is_finished and seq.request_id in states:
+                    if kept or seq.is_finished:
+                        continue
+                    if workers:
+                        restore[seq.request_id] = plan.step
+                    elif seq.request_id in states:
                         restore[seq.request_id] = states[seq.request_id]
-        if restore:
+        if not restore:
+            return
+        if workers:
+            if self.executor.spec.kv_transfer is None:  # disaggregated: not rewound
+                self.executor.call("rewind_streams", restore)
+        else:
             self.model_runner.restore_generators(restore)
 
     def _forward_in_order(self, plan: SchedulerOutput) -> tuple[dict, list]:
@@ -559,8 +590,9 @@ class LLMEngine:
             return self._run_one_by_one(plan, generators)
 
     def _generator_states(self, plan: SchedulerOutput) -> dict | None:
-        """The random streams of the plan's sequences before it runs (one process only: worker
-        processes keep theirs, and a fault there is a WorkerError)."""
+        """The random streams of the plan's sequences before it runs (one process only: the
+        worker processes' driver rank keeps its own by step and puts them back itself when a
+        step runs again, `Worker.rewind_streams` when the engine takes steps back)."""
         if self.executor is not None:
             return None
         seq_ids = [seq.request_id for s in plan.scheduled for seq in s.sampling_seqs]

@@ -5,11 +5,18 @@ float32 on the CPU with 4 seats (as in chapter 4), the TTFT of the first three r
 that fresh engine (for the section on warm-up), and mu, the rate at which the engine
 completes requests when 16 arrive at once. Every page measures mu on its own machine, so its
 loads, stated as fractions of mu, are the same on any machine.
+
+The load sweep runs every load several times. Its verdicts come from the medians of the
+repeats, and the same rule applied to each repeat alone says how far to trust them:
+`knee_verdict` and `peak_verdict` find the knee and the goodput peak both ways, and
+`spread_words` and `agreement` put the repeats' range and agreement into the page's words.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +25,7 @@ from minillm import LLM, SamplingParams
 from minillm.engine.llm_engine import LLMEngine
 from minillm.lab import loadgen
 from minillm.lab.open_loop import OpenLoopRun, TimedRequest, run_open_loop
-from minillm.lab.serving_metrics import RequestTiming
+from minillm.lab.serving_metrics import RequestTiming, knee_index
 
 
 def fixed_length(n: int) -> SamplingParams:
@@ -108,3 +115,75 @@ def sweep_seed(repeat: int, index: int) -> int:
     """The prompt and arrival seed of the sweep's open-loop run at SWEEP_FRACTIONS[index] in
     round `repeat`: fresh for every run, and the same on every page that repeats a run."""
     return 100 * repeat + index + 11
+
+
+def spread_words(
+    values: Sequence[float], scale: float = 1e3, digits: int = 0, unit: str = " ms"
+) -> str:
+    """The range of the repeats, as words to put after a median: "(repeats 12 to 15 ms)"."""
+    low, high = min(values) * scale, max(values) * scale
+    return f"(repeats {low:.{digits}f} to {high:.{digits}f}{unit})"
+
+
+def agreement(count: int, total: int) -> str:
+    """In how many of `total` repeats a verdict held, in words."""
+    if not 0 <= count <= total:
+        raise ValueError(f"a verdict holds in 0 to {total} repeats, not {count}")
+    if count == total:
+        return "in every repeat"
+    if count == 0:
+        return f"in none of the {total} repeats"
+    return f"in {count} of {total} repeats"
+
+
+@dataclass(frozen=True, slots=True)
+class RepeatVerdict:
+    """A load the sweep's verdict names (from the medians of the repeats), and the load the
+    same rule names in each repeat alone."""
+
+    value: float
+    each: tuple[float, ...]
+
+    @property
+    def held(self) -> int:
+        """The repeats that name the same load."""
+        return sum(v == self.value for v in self.each)
+
+    def agreement(self) -> str:
+        return agreement(self.held, len(self.each))
+
+    def each_words(self, unit: str = " μ") -> str:
+        """Each repeat's load: "1.0 μ, 1.0 μ, 0.6 μ"."""
+        return ", ".join(f"{v}{unit}" for v in self.each)
+
+
+def _repeats(by_load: Mapping[float, Sequence[float]], loads: Sequence[float]) -> int:
+    counts = {len(by_load[f]) for f in loads}
+    if len(counts) != 1 or 0 in counts:
+        raise ValueError(f"every load needs the same number of repeats, got {sorted(counts)}")
+    return counts.pop()
+
+
+def knee_verdict(
+    loads: Sequence[float], latency: Mapping[float, Sequence[float]], factor: float = 2.0
+) -> RepeatVerdict:
+    """The knee of a sweep (`knee_index`, loads in increasing order; `latency[f]` holds each
+    repeat's latency at load f): on the medians of the repeats, and on each repeat alone."""
+    repeats = _repeats(latency, loads)
+    medians = [statistics.median(latency[f]) for f in loads]
+    each = tuple(loads[knee_index([latency[f][r] for f in loads], factor)] for r in range(repeats))
+    return RepeatVerdict(loads[knee_index(medians, factor)], each)
+
+
+def peak_verdict(loads: Sequence[float], rate: Mapping[float, Sequence[float]]) -> RepeatVerdict:
+    """Where a rate peaks (goodput; `rate[f]` holds each repeat's at load f): the load of the
+    highest median, the lightest among equals, and each repeat's peak. A repeat that peaks at
+    several loads names the sweep's, when it is one of them, else the lightest."""
+    repeats = _repeats(rate, loads)
+    best = max(loads, key=lambda f: statistics.median(rate[f]))  # max keeps the first of equals
+    each = []
+    for r in range(repeats):
+        top = max(rate[f][r] for f in loads)
+        peaks = [f for f in loads if rate[f][r] == top]
+        each.append(best if best in peaks else peaks[0])
+    return RepeatVerdict(best, tuple(each))

@@ -53,6 +53,8 @@ def leftovers(target: LLM | LLMEngine) -> list[str]:
     ):
         if value:
             found.append(f"{name}: {sorted(map(str, value))[:10]}")
+    if engine._arrived:
+        found.append(f"engine._arrived: KV arrivals never applied: {engine._arrived[:10]}")
     for name in ("_plan_lengths", "_plan_generators"):
         if getattr(engine, name):
             found.append(f"engine.{name}: plans neither processed nor put back")

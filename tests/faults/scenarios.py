@@ -2,10 +2,13 @@
 the soak run (`python -m tests.faults.soak`).
 
 A scenario picks an engine configuration (tiny KV pools that preempt, the radix prefix cache,
-async scheduling, speculative decoding, LoRA), queues requests that share prefixes (greedy,
+async scheduling, speculative decoding, LoRA, two pipeline stages drained each step or with
+batches in flight), queues requests that share prefixes (greedy,
 seeded, n = 2, grammar-constrained), and mixes in aborts, a request the device always refuses
 (a persistent per-request fault), a one-off batch fault, and a KeyboardInterrupt at a random
-point of a step (planning, the forward, processing). It then checks:
+point of a step (planning, the forward, processing). With pipeline stages the refused
+request and the one-off fault strike in the first stage's process (`_StageFaults`), where the
+forward runs. It then checks:
 
 - every request that was neither aborted nor faulty gets exactly the tokens it gets alone on a
   fresh engine, seeded ones too, also after a KeyboardInterrupt (the steps it takes back
@@ -44,6 +47,19 @@ CONFIGS = {
     "ngram_tiny": {**TINY, "speculative_config": NGRAM},
     "lora_tiny": {**TINY, "enable_lora": True, "max_loras": 1, "max_lora_rank": 8},
 }
+# two pipeline stages in two worker processes: each step's batch cut into two micro-batches
+# and drained, or two batches in flight across steps
+PIPELINED = {
+    "pp_drained_tiny": {**TINY, "pipeline_parallel_size": 2, "pipeline_micro_batches": 2},
+    "pp_in_flight": {"pipeline_parallel_size": 2, "pipeline_batches_in_flight": 2},
+    "pp_in_flight_radix_tiny": {
+        **TINY,
+        "prefix_caching_algo": "radix",
+        "pipeline_parallel_size": 2,
+        "pipeline_batches_in_flight": 2,
+    },
+}
+ALL_CONFIGS = {**CONFIGS, **PIPELINED}
 PREFIXES = [list(range(20, 44)), [5, 17, 42, 9, 77, 3, 11, 8, 8, 120, 33, 4], []]
 PROBE_PROMPT = [3, 4, 5, 6, 7, 8, 9]
 PROBE_PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -60,8 +76,20 @@ class Env:
     probe_cache: dict = field(default_factory=dict)
     solo_engines: dict = field(default_factory=dict)
 
-    def engine(self, config: str) -> LLMEngine:
-        return LLMEngine(EngineArgs(model=self.model_dir, **BASE, **CONFIGS[config]))
+    def engine(self, config: str, stage_faults: _StageFaults | None = None) -> LLMEngine:
+        """An engine of `config`; a pipelined one's worker processes start with `stage_faults`
+        (forked, they inherit the first stage's forward as it is while they start)."""
+        args = EngineArgs(model=self.model_dir, **BASE, **ALL_CONFIGS[config])
+        if config not in PIPELINED:
+            return LLMEngine(args)
+        from minillm.distributed import pipeline
+
+        saved = pipeline.prepare_inputs, pipeline.stage_forward
+        (stage_faults or _StageFaults(None)).install(pipeline)
+        try:
+            return LLMEngine(args)
+        finally:
+            pipeline.prepare_inputs, pipeline.stage_forward = saved
 
     def solo(self, prompt: list[int], params: SamplingParams, lora: LoRARequest | None):
         """The request's completions alone on a fresh, roomy engine without speculation."""
@@ -83,8 +111,12 @@ class Env:
         return self.solo_cache[key]
 
     def fresh_probe(self, config: str) -> list[list[int]]:
+        """The probe's tokens on a fresh engine of `config` (pipelined: of its options on one
+        process, whose tokens pipeline stages must reproduce)."""
         if config not in self.probe_cache:
-            self.probe_cache[config] = probe(self.engine(config), PROBE_PROMPT, PROBE_PARAMS)
+            options = {k: v for k, v in ALL_CONFIGS[config].items() if "pipeline" not in k}
+            engine = LLMEngine(EngineArgs(model=self.model_dir, **BASE, **options))
+            self.probe_cache[config] = probe(engine, PROBE_PROMPT, PROBE_PARAMS)
         return self.probe_cache[config]
 
 
@@ -122,10 +154,41 @@ class _Armed:
         setattr(obj, name, wrapper)
 
 
+class _StageFaults:
+    """The first pipeline stage's forward as the pipelined scenarios attack it: it refuses
+    every micro-batch that holds the request `refused` (a persistent per-request fault), and,
+    with `at`, fails its `at`-th forward once (a one-off fault; counted in the first stage's
+    process, so a request rerun alone after it never meets it)."""
+
+    def __init__(self, at: int | None, refused: str | None = None) -> None:
+        self.at, self.refused = at, refused
+
+    def install(self, pipeline) -> None:
+        """Wrap the pipeline module's functions (the worker processes forked next get them)."""
+        calls, batch_ids = [0], [set()]
+        prepare, forward = pipeline.prepare_inputs, pipeline.stage_forward
+
+        def noting_prepare(batch, *args, **kwargs):  # the micro-batch the stage runs next
+            batch_ids[0] = {chunk.request.request_id for chunk in batch}
+            return prepare(batch, *args, **kwargs)
+
+        def faulty(model, inputs, x, kv_caches):
+            if x is None:  # the first stage: it embeds the input ids
+                calls[0] += 1
+                if self.refused in batch_ids[0]:
+                    raise RuntimeError("the device refused this request")
+                if calls[0] == self.at:
+                    raise RuntimeError("a transient fault")
+            return forward(model, inputs, x, kv_caches)
+
+        pipeline.prepare_inputs, pipeline.stage_forward = noting_prepare, faulty
+
+
 def _params(rng: random.Random, config: str) -> SamplingParams:
     max_tokens = rng.randint(1, 8)
     kind = rng.choice(["greedy", "greedy", "seeded", "n2", "grammar"])
-    if kind == "grammar" and "ngram" not in config:  # speculation refuses grammars
+    # speculation and worker processes refuse grammars
+    if kind == "grammar" and "ngram" not in config and config not in PIPELINED:
         return SamplingParams(temperature=0, max_tokens=8, structured_outputs=GRAMMAR)
     if kind == "seeded":
         return SamplingParams(temperature=0.8, seed=rng.randint(0, 99), max_tokens=max_tokens)
@@ -143,18 +206,36 @@ def run_scenario(seed: int, env: Env, config: str | None = None) -> list[str]:
     if config == "lora_tiny" and env.adapter is None:
         config = "tiny_pool"
     label = f"seed {seed} ({config})"
-    engine = env.engine(config)
     faults = rng.sample(["transient", "interrupt", "poison", "abort"], rng.randint(0, 4))
+    pipelined = config in PIPELINED
+    if pipelined:
+        at = rng.randint(1, 6) if "transient" in faults else None
+        # the first request is the refused one (below)
+        engine = env.engine(config, _StageFaults(at, "r0" if "poison" in faults else None))
+    else:
+        engine = env.engine(config)
+    try:
+        return _run(rng, env, engine, config, label, faults)
+    finally:
+        engine.shutdown()
+
+
+def _run(rng, env: Env, engine: LLMEngine, config: str, label: str, faults: list) -> list[str]:
+    pipelined = config in PIPELINED
+    in_flight = bool(ALL_CONFIGS[config].get("pipeline_batches_in_flight"))
     poisoned: set[str] = set()
-    # a poisoned request fails every step that runs it (a persistent per-request fault)
-    armed = _Armed(
-        engine.runner,
-        "execute_model",
-        lambda: RuntimeError("the device refused this request"),
-        when=lambda plan: any(s.request.request_id in poisoned for s in plan.scheduled),
-    )
-    armed = [armed]
-    if "transient" in faults:
+    armed = []
+    if not pipelined:
+        # a poisoned request fails every step that runs it (a persistent per-request fault)
+        armed.append(
+            _Armed(
+                engine.runner,
+                "execute_model",
+                lambda: RuntimeError("the device refused this request"),
+                when=lambda plan: any(s.request.request_id in poisoned for s in plan.scheduled),
+            )
+        )
+    if "transient" in faults and not pipelined:
         # the k-th batch of two or more requests fails once; each request then runs alone,
         # where this fault never strikes (it would be that request's own fault)
         batches, at = [0], rng.randint(1, 6)
@@ -174,9 +255,11 @@ def run_scenario(seed: int, env: Env, config: str | None = None) -> list[str]:
             )
         )
     if "interrupt" in faults:
-        target, name = rng.choice(
-            [(engine.scheduler, "schedule"), (engine, "_process"), (engine.runner, "execute_model")]
-        )
+        if in_flight:  # plans beside the batches in flight, waits for the oldest one
+            plans, forward = "schedule_beside", (engine.executor, "collect_model")
+        else:
+            plans, forward = "schedule", (engine.runner, "execute_model")
+        target, name = rng.choice([(engine.scheduler, plans), (engine, "_process"), forward])
         armed.append(_Armed(target, name, KeyboardInterrupt, at=rng.randint(1, 8)))
 
     added: dict[str, tuple[list[int], SamplingParams, LoRARequest | None]] = {}
@@ -240,6 +323,8 @@ def run_scenario(seed: int, env: Env, config: str | None = None) -> list[str]:
     for fault in reversed(armed):  # in the order they wrap, so each restores the one below
         fault.disarm()
     left = leftovers(engine)
+    if in_flight and (engine._batches or engine.executor.batches_in_flight()):
+        left.append("a pipeline batch is still in flight")
     if left:
         problems.append(f"{label}: left behind: {left}")
         return problems
@@ -253,5 +338,4 @@ def run_scenario(seed: int, env: Env, config: str | None = None) -> list[str]:
     left = leftovers(engine)
     if left:
         problems.append(f"{label}: left behind by the probe: {left}")
-    engine.shutdown()
     return problems

@@ -106,3 +106,74 @@ def test_ctrl_c_with_a_kv_transfer_in_flight_holds_its_blocks_until_it_lands(mon
         assert leftovers(llm) == []
     finally:
         llm.shutdown()
+
+
+# a pool with room for all three at once, so that nothing is preempted
+ROOMY = dict(OPTIONS, num_gpu_blocks=12)
+REQUESTS = {
+    "decoder": (DECODER, DECODER_PARAMS),
+    "victim": (VICTIM, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+    "late": (list(range(60, 81)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["arrivals_taken", "prompt_sent"])
+def test_ctrl_c_while_a_step_is_processed_strands_no_request_waiting_for_kv(where):
+    """Ctrl-C while a disaggregated step's results are processed: either after the KV
+    transfers that landed were taken from the executor, before the scheduler saw them, or as
+    processing begins in the step that sent a prompt's last chunk to the prefill rank. The step
+    is taken back; no request may be left waiting for a transfer that was already taken, nor
+    recompute into blocks a transfer still writes into. Every request ends with a colocated
+    engine's tokens, within a bounded number of steps, and nothing stays held."""
+    expected = {rid: reference(prompt, params) for rid, (prompt, params) in REQUESTS.items()}
+    expected_probe = reference(PROBE, PROBE_PARAMS)
+    llm = LLM(**ROOMY, kv_transfer_config=KV_TRANSFER)
+    try:
+        engine = llm.engine
+        fired = []
+        if where == "arrivals_taken":
+            update = engine.scheduler.update_from_remote_kvs
+
+            def interrupted(arrived):
+                if arrived and not fired:
+                    fired.append([seq_id for seq_id, _ in arrived])
+                    raise KeyboardInterrupt
+                return update(arrived)
+
+            engine.scheduler.update_from_remote_kvs = interrupted
+        else:
+            process = engine._process
+
+            def interrupted(plan, *args, **kwargs):
+                finishing = [s for s in plan.scheduled if s.samples and s.phase == "prefill"]
+                if finishing and not fired:
+                    fired.append([s.request.request_id for s in finishing])
+                    raise KeyboardInterrupt
+                return process(plan, *args, **kwargs)
+
+            engine._process = interrupted
+        for request_id, (prompt, params) in REQUESTS.items():
+            engine.add_request(request_id, prompt, params)
+        final = {}
+        for _ in range(2000):
+            if not engine.has_unfinished_requests():
+                break
+            try:
+                outputs = engine.step()
+            except KeyboardInterrupt:
+                continue  # as a user re-runs the cell
+            final.update((o.request_id, o) for o in outputs if o.finished)
+        else:
+            raise AssertionError(f"stranded: {sorted(engine.scheduler.waiting_for_remote_kvs)}")
+        assert fired, "the interrupt was never injected"
+        for request_id in REQUESTS:
+            assert final[request_id].error is None
+            assert list(final[request_id].outputs[0].token_ids) == expected[request_id]
+        assert leftovers(llm) == []
+        assert not engine.scheduler.finished_awaiting_kvs
+        engine.add_request("probe", PROBE, PROBE_PARAMS)
+        assert run_to_end(engine, "probe") == expected_probe
+        assert leftovers(llm) == []
+    finally:
+        llm.shutdown()

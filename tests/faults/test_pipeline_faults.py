@@ -1,7 +1,9 @@
 """Faults against a pipeline-parallel engine that keeps batches in flight across steps
 (`pipeline_batches_in_flight`): an abort of a request whose batch is still in the stages,
 Ctrl-C while the engine waits for a batch, and an exception or Ctrl-C while a batch is
-planned or processed. Each ends with the other requests' exact tokens, nothing held
+planned or processed; a stage that refuses a request or fails once, drained or with batches
+in flight, seeded requests among the others; and seeded random scenarios (`scenarios.py`) on
+both. Each ends with the other requests' exact tokens, nothing held
 (`invariants.leftovers`, and no batch in flight) and a probe request served as a fresh
 engine serves it.
 """
@@ -16,7 +18,14 @@ from minillm.engine.llm_engine import LLMEngine
 from minillm.sampling_params import SamplingParams
 from tests.engine.tiny_llama import build_tiny_llama
 from tests.faults.invariants import assert_healthy, run_all
-from tests.faults.scenarios import BASE, PROBE_PARAMS, PROBE_PROMPT, make_env
+from tests.faults.scenarios import (
+    BASE,
+    PIPELINED,
+    PROBE_PARAMS,
+    PROBE_PROMPT,
+    make_env,
+    run_scenario,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 REQUESTS = {
@@ -188,3 +197,83 @@ def test_a_one_off_stage_fault_costs_no_request_anything(env, monkeypatch, optio
         assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
     finally:
         engine.shutdown()
+
+
+SEEDED_FORKS = SamplingParams(n=2, temperature=0.8, seed=77, max_tokens=7, ignore_eos=True)
+
+
+@pytest.mark.parametrize("options", MODES, ids=["drained", "in_flight"])
+@pytest.mark.parametrize("at", [2, 3])
+def test_a_one_off_stage_fault_draws_nothing_from_seeded_streams(env, monkeypatch, options, at):
+    """The first stage raises on a batch with a seeded request; the last stage still samples
+    its rows (from zeros) before the engine hears of the fault, and the rerun must draw what
+    a clean run draws: the driver puts the streams back to where they were before that step."""
+    calls = [0]
+
+    def once(ids):
+        calls[0] += 1
+        return calls[0] == at
+
+    refusing_stage_forward(monkeypatch, once)
+    engine = pipelined_engine(env, options)
+    try:
+        requests = {
+            "forks": (list(range(5, 25)), SEEDED_FORKS),
+            "greedy": ([71, 187, 208, 61, 154, 244, 29, 233], GREEDY),
+        }
+        final = run_all(engine, requests)
+        for request_id, (prompt, params) in requests.items():
+            assert final[request_id].error is None
+            assert [list(c.token_ids) for c in final[request_id].outputs] == env.solo(
+                prompt, params, None
+            )
+        assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("options", MODES, ids=["drained", "in_flight"])
+def test_ctrl_c_while_processing_rewinds_the_seeded_streams_of_the_workers(env, options):
+    """The driver rank sampled the step, then Ctrl-C lands while its tokens are processed:
+    the step is taken back, and the streams that drew for it go back with it."""
+    engine = pipelined_engine(env, options)
+    process, calls = engine._process, [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] in (3, 5):
+            raise KeyboardInterrupt
+        return process(*args, **kwargs)
+
+    engine._process = interrupted
+    try:
+        seeded = SamplingParams(temperature=0.8, seed=53, max_tokens=7)
+        requests = {"forks": (list(range(5, 25)), SEEDED_FORKS), "seeded": ([9, 8, 7], seeded)}
+        final = run_all(engine, requests, interrupts=(KeyboardInterrupt,))
+        assert calls[0] > 5
+        for request_id, (prompt, params) in requests.items():
+            assert [list(c.token_ids) for c in final[request_id].outputs] == env.solo(
+                prompt, params, None
+            )
+        engine._process = process
+        assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
+    finally:
+        engine.shutdown()
+
+
+# seeds whose scenarios each mix a Ctrl-C with seeded requests, aborts, a one-off stage fault
+# or a refused request; soak.py draws pipelined configurations among the others
+PIPELINED_SEEDS = {
+    "pp_drained_tiny": (1, 3),
+    "pp_in_flight": (6, 11),
+    "pp_in_flight_radix_tiny": (3, 10),
+}
+
+
+@pytest.mark.parametrize("config", sorted(PIPELINED))
+def test_a_random_fault_scenario_with_pipeline_stages(env, config):
+    """Seeded scenarios on two pipeline stages, drained or with batches in flight: aborts, a
+    request the first stage refuses, a one-off stage fault and a KeyboardInterrupt among
+    requests that share prefixes (soak.py runs many more)."""
+    for seed in PIPELINED_SEEDS[config]:
+        assert run_scenario(seed, env, config) == []

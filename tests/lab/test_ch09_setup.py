@@ -74,3 +74,88 @@ def test_sweep_runs_default_to_the_sweep_size(lab):
     assert ch09_setup.SWEEP_REQUESTS >= 30  # the page states its medians rest on them
     run = lab.sweep_run(math.inf, seed=5)
     assert len(run.metrics) == ch09_setup.SWEEP_REQUESTS
+
+
+# the sweep's verdicts on hand-made sweeps: loads as fractions of mu, one value per repeat
+LOADS = (0.3, 0.6, 1.0, 1.5, 2.5)
+
+
+def sweep(*repeats):
+    """{load: (repeat 0's value, repeat 1's, ...)} from each repeat's curve over LOADS."""
+    return {f: tuple(curve[i] for curve in repeats) for i, f in enumerate(LOADS)}
+
+
+def test_a_knee_every_repeat_puts_at_the_same_load():
+    latency = sweep([10, 12, 15, 50, 90], [11, 13, 16, 60, 99], [10, 14, 18, 45, 80])
+    verdict = ch09_setup.knee_verdict(LOADS, latency)
+    assert verdict == ch09_setup.RepeatVerdict(1.0, (1.0, 1.0, 1.0))
+    assert verdict.held == 3
+    assert verdict.agreement() == "in every repeat"
+    assert verdict.each_words() == "1.0 μ, 1.0 μ, 1.0 μ"
+
+
+def test_a_knee_one_repeat_of_three_agrees_with():
+    # medians 10, 12, 30, 60, 90: past 2 x 10 at 1.0, so the knee is 0.6; alone, the
+    # repeats put it at 1.0, 0.3 and 0.6
+    latency = sweep([10, 12, 15, 50, 90], [10, 25, 30, 60, 90], [10, 12, 30, 60, 90])
+    verdict = ch09_setup.knee_verdict(LOADS, latency)
+    assert verdict == ch09_setup.RepeatVerdict(0.6, (1.0, 0.3, 0.6))
+    assert verdict.agreement() == "in 1 of 3 repeats"
+
+
+def test_a_knee_no_repeat_agrees_with():
+    # medians 10, 12, 12, 12, 50: the knee is 1.5; alone: 0.3, 0.6, and no knee (2.5)
+    latency = sweep([10, 25, 12, 12, 50], [10, 12, 25, 12, 50], [10, 12, 12, 12, 15])
+    verdict = ch09_setup.knee_verdict(LOADS, latency)
+    assert verdict == ch09_setup.RepeatVerdict(1.5, (0.3, 0.6, 2.5))
+    assert verdict.held == 0
+    assert verdict.agreement() == "in none of the 3 repeats"
+
+
+def test_a_knee_is_read_off_the_medians_not_the_means():
+    # one wild repeat at 0.6 pulls the mean past 2 x 10 but not the median
+    latency = sweep([10, 12, 15, 50, 90], [10, 12, 15, 50, 90], [10, 200, 15, 50, 90])
+    assert ch09_setup.knee_verdict(LOADS, latency).value == 1.0
+
+
+def test_a_goodput_peak_that_moves_between_repeats():
+    goodput = sweep([0.3, 0.6, 0.5, 0.2, 0.1], [0.3, 0.5, 0.55, 0.2, 0.1], [0.3, 0.58, 0.4, 0.2, 0])
+    verdict = ch09_setup.peak_verdict(LOADS, goodput)
+    assert verdict == ch09_setup.RepeatVerdict(0.6, (0.6, 1.0, 0.6))
+    assert verdict.agreement() == "in 2 of 3 repeats"
+    assert verdict.each_words() == "0.6 μ, 1.0 μ, 0.6 μ"
+
+
+def test_goodput_peaks_that_tie():
+    # the medians tie at 0.6 and 1.0: the lighter load is the peak; a repeat tied at 0.6 and
+    # 1.0 agrees with it, a repeat tied at 0.3 and 1.0 names its lightest peak
+    goodput = sweep([0.3, 0.6, 0.6, 0.2, 0.1], [0.3, 0.6, 0.6, 0.2, 0.1], [0.7, 0.5, 0.7, 0.2, 0.1])
+    verdict = ch09_setup.peak_verdict(LOADS, goodput)
+    assert verdict == ch09_setup.RepeatVerdict(0.6, (0.6, 0.6, 0.3))
+    assert verdict.agreement() == "in 2 of 3 repeats"
+    # the peak of the medians at 1.0; a repeat tied at 0.6 and 1.0 holds it, though its
+    # lightest peak is 0.6
+    goodput = sweep([0.3, 0.5, 0.6, 0.2, 0.1], [0.3, 0.5, 0.6, 0.2, 0.1], [0.3, 0.7, 0.7, 0.2, 0.1])
+    verdict = ch09_setup.peak_verdict(LOADS, goodput)
+    assert verdict == ch09_setup.RepeatVerdict(1.0, (1.0, 1.0, 1.0))
+    assert verdict.agreement() == "in every repeat"
+
+
+def test_a_sweep_needs_the_same_repeats_at_every_load():
+    with pytest.raises(ValueError, match="same number of repeats"):
+        ch09_setup.knee_verdict((0.3, 0.6), {0.3: (1, 2), 0.6: (3,)})
+    with pytest.raises(ValueError, match="same number of repeats"):
+        ch09_setup.peak_verdict((0.3,), {0.3: ()})
+
+
+def test_the_words_for_the_spread_and_the_agreement():
+    assert ch09_setup.spread_words([0.0131, 0.012, 0.0149]) == "(repeats 12 to 15 ms)"
+    assert ch09_setup.spread_words([0.51, 0.456], scale=1, digits=2, unit="") == (
+        "(repeats 0.46 to 0.51)"
+    )
+    assert ch09_setup.agreement(3, 3) == "in every repeat"
+    assert ch09_setup.agreement(1, 1) == "in every repeat"
+    assert ch09_setup.agreement(0, 3) == "in none of the 3 repeats"
+    assert ch09_setup.agreement(2, 5) == "in 2 of 5 repeats"
+    with pytest.raises(ValueError):
+        ch09_setup.agreement(4, 3)
