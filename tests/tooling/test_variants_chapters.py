@@ -35,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # chapter: how many of its checks draw a worked example through variant
 CHAPTERS = {
     "ch00_conventions": 5,
-    "ch01_request_journey": 6,
+    "ch01_request_journey": 8,
     "ch02_roofline": 3,
     "ch03_kv_cache": 2,
     "ch04_scheduling": 3,
@@ -43,7 +43,7 @@ CHAPTERS = {
     "ch06_quantization": 3,
     "ch07_decoding": 4,
     "ch08_distributed": 2,
-    "ch09_metrics": 2,
+    "ch09_metrics": 4,
 }
 SEEDS = ["fall-27", "spring-term-7"]  # two classes: the tests' own seeds, not a class's secret
 VARIANT_CALL = re.compile(r"\bvariant\(")  # a call of variant, not of hypothesis's invariant
