@@ -36,11 +36,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHAPTERS = {
     "ch00_conventions": 5,
     "ch01_request_journey": 8,
-    "ch02_roofline": 3,
+    "ch02_roofline": 4,
     "ch03_kv_cache": 2,
     "ch04_scheduling": 3,
     "ch05_kernels": 3,
-    "ch06_quantization": 3,
+    "ch06_quantization": 5,
     "ch07_decoding": 4,
     "ch08_distributed": 2,
     "ch09_metrics": 4,
@@ -71,8 +71,8 @@ def recorded_answers(chapter: str) -> dict[str, list]:
     tables: dict[str, list] = {name: [] for name in functions}
 
     def recording(name, fn):
-        def call(*args):
-            result = fn(*args)
+        def call(*args, **kwargs):
+            result = fn(*args, **kwargs)
             tables[name].append(result)
             return result
 
@@ -107,7 +107,7 @@ def hard_coded_notebook(chapter: str, tables: dict[str, list]) -> nbformat.Noteb
         [cell] = [c for c in nb.cells if c.get("id") == answer_id]
         cell.source = "\n\n".join(
             # the worked example comes first
-            f"def {name}(*args):\n    return {(tables[name] or [None])[0]!r}\n"
+            f"def {name}(*args, **kwargs):\n    return {(tables[name] or [None])[0]!r}\n"
             for name in exercise.functions
         )
     return nb
