@@ -15,12 +15,14 @@ others with a check that passes.
 
 from __future__ import annotations
 
+import math
 import pathlib
 import re
 import shutil
 
 import nbformat
 import pytest
+import torch
 from IPython.core.inputtransformer2 import TransformerManager
 
 from minillm.course.bootstrap import repository_url
@@ -96,6 +98,22 @@ def recorded_answers(chapter: str) -> dict[str, list]:
     return tables
 
 
+def literal(value) -> str:
+    """Python source that rebuilds `value`: its repr, with each tensor typed in as
+    `torch.tensor(values, dtype=...)` (a tensor's repr is no expression)."""
+    if isinstance(value, torch.Tensor):
+        return f"torch.tensor({value.tolist()!r}, dtype={value.dtype})"
+    if isinstance(value, tuple):
+        return f"({''.join(literal(v) + ', ' for v in value)})"
+    if isinstance(value, list):
+        return f"[{', '.join(literal(v) for v in value)}]"
+    if isinstance(value, dict):
+        return f"{{{', '.join(f'{literal(k)}: {literal(v)}' for k, v in value.items())}}}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float({str(value)!r})"
+    return repr(value)
+
+
 def hard_coded_notebook(chapter: str, tables: dict[str, list]) -> nbformat.NotebookNode:
     """The released notebook answered with the public worked examples' expected values."""
     nb = nbformat.read(ROOT / "exercises" / f"{chapter}.ipynb", as_version=4)
@@ -105,9 +123,9 @@ def hard_coded_notebook(chapter: str, tables: dict[str, list]) -> nbformat.Noteb
             continue  # left unanswered
         [answer_id] = exercise.answer_ids
         [cell] = [c for c in nb.cells if c.get("id") == answer_id]
-        cell.source = "\n\n".join(
+        cell.source = "import torch\n\n\n" + "\n\n".join(
             # the worked example comes first
-            f"def {name}(*args, **kwargs):\n    return {(tables[name] or [None])[0]!r}\n"
+            f"def {name}(*args, **kwargs):\n    return {literal((tables[name] or [None])[0])}\n"
             for name in exercise.functions
         )
     return nb
