@@ -98,12 +98,7 @@ def test_ctrl_c_with_a_kv_transfer_in_flight_holds_its_blocks_until_it_lands(mon
             os.kill(prefill_rank.pid, signal.SIGCONT)
         tokens = run_to_end(engine, "decoder")
         assert tokens == expected_decoder
-        assert leftovers(llm) == []
-        assert not engine.scheduler.finished_awaiting_kvs
-
-        engine.add_request("probe", PROBE, PROBE_PARAMS)
-        assert run_to_end(engine, "probe") == expected_probe
-        assert leftovers(llm) == []
+        assert_clean_and_probe(llm, engine, expected_probe)
     finally:
         llm.shutdown()
 
@@ -170,10 +165,15 @@ def test_ctrl_c_while_a_step_is_processed_strands_no_request_waiting_for_kv(wher
         for request_id in REQUESTS:
             assert final[request_id].error is None
             assert list(final[request_id].outputs[0].token_ids) == expected[request_id]
-        assert leftovers(llm) == []
-        assert not engine.scheduler.finished_awaiting_kvs
-        engine.add_request("probe", PROBE, PROBE_PARAMS)
-        assert run_to_end(engine, "probe") == expected_probe
-        assert leftovers(llm) == []
+        assert_clean_and_probe(llm, engine, expected_probe)
     finally:
         llm.shutdown()
+
+
+def assert_clean_and_probe(llm, engine, expected_probe) -> None:
+    """No block, transfer or arrival left over, and the next request is a fresh engine's."""
+    assert leftovers(llm) == []
+    assert not engine.scheduler.finished_awaiting_kvs
+    engine.add_request("probe", PROBE, PROBE_PARAMS)
+    assert run_to_end(engine, "probe") == expected_probe
+    assert leftovers(llm) == []

@@ -165,11 +165,7 @@ def test_a_request_a_stage_always_refuses_fails_alone(env, monkeypatch, options)
         requests = {**REQUESTS, "bad": ([7, POISON, 9, 11], GREEDY)}
         final = run_all(engine, requests)
         assert "injected stage fault" in final["bad"].error
-        for request_id, (prompt, params) in REQUESTS.items():
-            assert final[request_id].error is None
-            assert [list(c.token_ids) for c in final[request_id].outputs] == env.solo(
-                prompt, params, None
-            )
+        assert_each_as_alone(env, final, REQUESTS)
         if options.get("pipeline_batches_in_flight"):
             assert not engine._batches and engine.executor.batches_in_flight() == 0
         assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
@@ -189,11 +185,7 @@ def test_a_one_off_stage_fault_costs_no_request_anything(env, monkeypatch, optio
     engine = pipelined_engine(env, options)
     try:
         final = run_all(engine, REQUESTS)
-        for request_id, (prompt, params) in REQUESTS.items():
-            assert final[request_id].error is None
-            assert [list(c.token_ids) for c in final[request_id].outputs] == env.solo(
-                prompt, params, None
-            )
+        assert_each_as_alone(env, final, REQUESTS)
         assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
     finally:
         engine.shutdown()
@@ -222,11 +214,7 @@ def test_a_one_off_stage_fault_draws_nothing_from_seeded_streams(env, monkeypatc
             "greedy": ([71, 187, 208, 61, 154, 244, 29, 233], GREEDY),
         }
         final = run_all(engine, requests)
-        for request_id, (prompt, params) in requests.items():
-            assert final[request_id].error is None
-            assert [list(c.token_ids) for c in final[request_id].outputs] == env.solo(
-                prompt, params, None
-            )
+        assert_each_as_alone(env, final, requests)
         assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
     finally:
         engine.shutdown()
@@ -277,3 +265,12 @@ def test_a_random_fault_scenario_with_pipeline_stages(env, config):
     requests that share prefixes (soak.py runs many more)."""
     for seed in PIPELINED_SEEDS[config]:
         assert run_scenario(seed, env, config) == []
+
+
+def assert_each_as_alone(env, final: dict, requests: dict) -> None:
+    """Every request finished without an error, with the tokens it gets alone on one process."""
+    for request_id, (prompt, params) in requests.items():
+        assert final[request_id].error is None
+        assert [list(c.token_ids) for c in final[request_id].outputs] == env.solo(
+            prompt, params, None
+        )
