@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from minillm.model.llama import LlamaForCausalLM
 from minillm.model.loader import load_model
+from minillm.model.tokenizer import Tokenizer
 from minillm.training.corpus import (
     FOREIGN_EXCLUDED,
     FOREIGN_FRACTION,
@@ -143,6 +144,7 @@ def header_body(header: str, completion: str, stopped_at_eos: bool) -> tuple[str
 
 
 def parses(source: str) -> bool:
+    """Whether `ast.parse` accepts `source`."""
     try:
         ast.parse(source)
     except (SyntaxError, ValueError):  # ValueError: a null byte in the source
@@ -172,8 +174,6 @@ def complete_headers(model: LlamaForCausalLM, tokenizer, eos_id: int | None) -> 
 
 def write_foreign_set(model_dir: pathlib.Path, window_len: int, num_windows: int = 64) -> None:
     """Store the foreign-code windows beside the held-out ones, from the installed packages."""
-    from minillm.model.tokenizer import Tokenizer
-
     sources = [installed_package(n, m) for n, m in FOREIGN_PACKAGES.items()]
     backend = Tokenizer(model_dir).backend
     foreign = build_foreign_set(backend, sources, num_windows, window_len)
