@@ -3,12 +3,16 @@
 The bundled models learn from the `.py` files of the interpreter that runs the training,
 read in sorted order so that two runs see the same bytes. A file goes to the validation
 split when a hash of its relative path says so; the split therefore never depends on the
-order of files or on how many there are.
+order of files or on how many there are. The same rule picks the files of a few installed
+packages from outside the standard library, the code on which the model cards measure how
+the models do on Python they never saw.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import pathlib
 import sys
@@ -120,6 +124,81 @@ def encode_documents(tokenizer: Tokenizer, documents: list[Document]) -> np.ndar
     encodings = tokenizer.encode_batch([d.text for d in documents], add_special_tokens=True)
     pieces = [np.array(e.ids + [eos_id], dtype=np.uint16) for e in encodings]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint16)
+
+
+def spread_windows(tokens: np.ndarray, num_windows: int, window_len: int) -> np.ndarray:
+    """`num_windows` non-overlapping windows spread evenly over a token stream: [n, len] int64."""
+    if len(tokens) < num_windows * window_len:
+        raise ValueError(f"token stream of {len(tokens)} tokens is too short")
+    last_start = len(tokens) - window_len
+    starts = [i * last_start // (num_windows - 1) for i in range(num_windows)]
+    return np.stack([tokens[s : s + window_len] for s in starts]).astype(np.int64)
+
+
+# Code the model never saw: permissively licensed packages installed beside minillm (pinned in
+# constraints.txt), each with the import directories that hold its source.
+FOREIGN_PACKAGES = {"packaging": ["packaging"], "attrs": ["attr", "attrs"], "click": ["click"]}
+FOREIGN_FRACTION = 0.3  # share of each package's files, picked by the hash of their paths
+FOREIGN_EXCLUDED = {"packaging/licenses/_spdx.py"}  # a table of license data, not code
+
+
+@dataclass(slots=True)
+class PackageSource:
+    name: str  # distribution name, e.g. "attrs"
+    version: str
+    license: str
+    roots: list[pathlib.Path]  # import directories, e.g. [.../attr, .../attrs]
+
+
+def installed_package(name: str, modules: list[str]) -> PackageSource:
+    """An installed distribution's version, license and source directories; reads no network."""
+    metadata = importlib.metadata.metadata(name)
+    license_ = metadata.get("License-Expression") or metadata.get("License") or "unknown"
+    roots = []
+    for module in modules:
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"package {module!r} of {name!r} is not installed as a directory")
+        roots.append(pathlib.Path(spec.submodule_search_locations[0]))
+    return PackageSource(name, metadata["Version"], license_, roots)
+
+
+def read_package_files(source: PackageSource, fraction: float) -> list[Document]:
+    """The picked `.py` files of one package, sorted by path ("attr/_make.py" and so on).
+
+    A file is picked when `is_validation(path, fraction)` says so: the rule of the stdlib
+    split, so the pick depends on each path alone. FOREIGN_EXCLUDED files are data, not code.
+    """
+    documents = []
+    for root in source.roots:
+        for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+            relative = f"{root.name}/{path.relative_to(root).as_posix()}"
+            if relative not in FOREIGN_EXCLUDED and is_validation(relative, fraction):
+                documents.append(Document(relative, path.read_bytes().decode("utf-8")))
+    return documents
+
+
+def build_foreign_set(
+    tokenizer: Tokenizer,
+    sources: list[PackageSource],
+    num_windows: int,
+    window_len: int,
+    fraction: float = FOREIGN_FRACTION,
+) -> dict:
+    """Evaluation windows of Python from outside the standard library, as stored beside a model.
+
+    The picked files of every source, in the order given, form one stream of
+    BOS + text + EOS documents, as in training; the windows spread evenly over it.
+    """
+    documents = [d for source in sources for d in read_package_files(source, fraction)]
+    windows = spread_windows(encode_documents(tokenizer, documents), num_windows, window_len)
+    return {
+        "description": "Python code from outside the standard library: windows of the "
+        "picked files' token stream",
+        "sources": [{"name": s.name, "version": s.version, "license": s.license} for s in sources],
+        "files": [d.path for d in documents],
+        "token_ids": windows.tolist(),
+    }
 
 
 # Chat turns as Python comments, the only dialogue the standard library's code contains;

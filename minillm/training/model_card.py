@@ -2,12 +2,15 @@
 
 Every number in a card comes from `training_summary.json` beside it: the training run
 writes its part (steps, tokens seen, time, hardware), and `measure` adds held-out loss,
-sample completions and, for the draft, how often it agrees with the target. All
-measurements use the shipped bfloat16 weights upcast to float32, the way tests load them.
+sample completions and, for the draft, how often it agrees with the target. It also
+measures the model on Python it never saw: loss on code from packages outside the standard
+library, and whether greedy completions of ten function headers parse. All measurements
+use the shipped bfloat16 weights upcast to float32, the way tests load them.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import pathlib
@@ -17,9 +20,33 @@ import torch.nn.functional as F
 
 from minillm.model.llama import LlamaForCausalLM
 from minillm.model.loader import load_model
+from minillm.model.tokenizer import Tokenizer
+from minillm.training.corpus import (
+    FOREIGN_EXCLUDED,
+    FOREIGN_FRACTION,
+    FOREIGN_PACKAGES,
+    build_foreign_set,
+    installed_package,
+)
 
 SUMMARY_FILE = "training_summary.json"
 HELDOUT_FILE = "heldout_tokens.json"
+FOREIGN_FILE = "foreign_tokens.json"
+# Headers of ordinary functions and methods, written for this evaluation. A method's prompt
+# starts with its class line, so header and body parse as they stand, without dedenting.
+HEADERS = [
+    "def parse_config(path):",
+    "def merge_sorted(a, b):",
+    "def count_words(text):",
+    "def clamp(value, low, high):",
+    "def chunked(items, size):",
+    "def read_json(filename):",
+    "def is_palindrome(word):",
+    "def flatten(nested):",
+    "class Inventory:\n    def add_item(self, name, quantity):",
+    "class Cache:\n    def get(self, key, default=None):",
+]
+HEADER_NEW_TOKENS = 96
 SAMPLE_PROMPTS = [
     "def fibonacci(n):",
     "class Stack:",
@@ -92,6 +119,67 @@ def draft_agreement(
     return matches, accepted_per_round
 
 
+def header_body(header: str, completion: str, stopped_at_eos: bool) -> tuple[str, str]:
+    """The body a completion gives `header`, and why it ends: "eos", "dedent" or "limit".
+
+    The body runs to the first non-empty line indented at or below the header's own line
+    (the model has moved on to other code), or to EOS. When the token limit stopped the
+    completion instead, its last line may be cut mid-statement, so it is dropped.
+    """
+    last_line = header.split("\n")[-1]
+    indent = len(last_line) - len(last_line.lstrip())
+    first, *rest = completion.split("\n")
+    body_lines, stop = [], "eos" if stopped_at_eos else "limit"
+    for line in rest:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            stop = "dedent"
+            break
+        body_lines.append(line)
+    if stop == "limit":
+        if body_lines:
+            body_lines.pop()
+        else:
+            first = ""  # the completion never left the header's line
+    return "\n".join([first, *body_lines]), stop
+
+
+def parses(source: str) -> bool:
+    """Whether `ast.parse` accepts `source`."""
+    try:
+        ast.parse(source)
+    except (SyntaxError, ValueError):  # ValueError: a null byte in the source
+        return False
+    return True
+
+
+def complete_headers(model: LlamaForCausalLM, tokenizer, eos_id: int | None) -> list[dict]:
+    """Greedy completion of each of HEADERS, its body, and whether header + body parses."""
+    results = []
+    for header in HEADERS:
+        new_ids = greedy_generate(model, tokenizer.encode(header), HEADER_NEW_TOKENS, eos_id)
+        stopped_at_eos = bool(new_ids) and new_ids[-1] == eos_id
+        completion = tokenizer.decode(new_ids[:-1] if stopped_at_eos else new_ids)
+        body, stop = header_body(header, completion, stopped_at_eos)
+        results.append(
+            {
+                "header": header,
+                "completion": completion,
+                "body": body,
+                "stop": stop,
+                "parses": parses(header + body),
+            }
+        )
+    return results
+
+
+def write_foreign_set(model_dir: pathlib.Path, window_len: int, num_windows: int = 64) -> None:
+    """Store the foreign-code windows beside the held-out ones, from the installed packages."""
+    sources = [installed_package(n, m) for n, m in FOREIGN_PACKAGES.items()]
+    backend = Tokenizer(model_dir).backend
+    foreign = build_foreign_set(backend, sources, num_windows, window_len)
+    (model_dir / FOREIGN_FILE).write_text(json.dumps(foreign, separators=(",", ":")) + "\n")
+
+
 def measure(model_dir: pathlib.Path, target_dir: pathlib.Path | None = None) -> dict:
     """Held-out loss and samples of one model; agreement with the target if target_dir."""
     loaded = load_model(model_dir, dtype="float32")
@@ -111,6 +199,22 @@ def measure(model_dir: pathlib.Path, target_dir: pathlib.Path | None = None) -> 
         "heldout_perplexity": round(math.exp(loss), 2),
         "samples": samples,
     }
+    foreign_path = model_dir / FOREIGN_FILE
+    if foreign_path.exists():
+        foreign = json.loads(foreign_path.read_text())
+        foreign_loss = heldout_loss(model, torch.tensor(foreign["token_ids"]))
+        headers = complete_headers(model, tokenizer, eos_id)
+        result |= {
+            "foreign_num_windows": len(foreign["token_ids"]),
+            "foreign_num_predicted_tokens": len(foreign["token_ids"])
+            * (len(foreign["token_ids"][0]) - 1),
+            "foreign_loss": round(foreign_loss, 4),
+            "foreign_perplexity": round(math.exp(foreign_loss), 2),
+            "foreign_sources": foreign["sources"],
+            "foreign_num_files": len(foreign["files"]),
+            "headers_parsed": sum(h["parses"] for h in headers),
+            "headers": headers,
+        }
     if target_dir is not None:
         target = load_model(target_dir, dtype="float32").model
         matches, positions, rounds = 0, 0, []
@@ -215,6 +319,42 @@ def render_card(summary: dict, evaluation: dict) -> str:
         "to float32, and minillm's tests recompute them.",
         "",
     ]
+    if "foreign_loss" in evaluation:
+        credits = ", ".join(
+            f"{s['name']} {s['version']} ({s['license']})" for s in evaluation["foreign_sources"]
+        )
+        lines += [
+            "### Python from outside the standard library",
+            "",
+            "The held-out files above are still the standard library's code, in its style. To "
+            "see how the model does on Python it never saw, written by other people in other "
+            f"styles, `{FOREIGN_FILE}` holds {evaluation['foreign_num_windows']} windows of "
+            f"{cfg['seq_len'] + 1} tokens spread evenly over {evaluation['foreign_num_files']} "
+            f"files of {credits}, installed with minillm at the versions its constraints file "
+            "pins. A file is taken when the SHA-256 of its path, read as a fraction of 2^64, "
+            f"falls below {FOREIGN_FRACTION} (a table of license data, "
+            f"{', '.join(sorted(FOREIGN_EXCLUDED))}, is left out). On them the cross-entropy is "
+            f"**{evaluation['foreign_loss']:.4f} nats/token** (perplexity "
+            f"**{evaluation['foreign_perplexity']:.2f}**), over "
+            f"{evaluation['foreign_num_predicted_tokens']:,} predicted tokens.",
+            "",
+            f"Ten function headers written for this test are completed greedily, up to "
+            f"{HEADER_NEW_TOKENS} tokens. The body is the completion up to the first non-empty "
+            "line indented no deeper than the header (the model has gone on to other code) or "
+            "`<|eos|>`; when the token limit stopped it, the last, possibly cut, line is "
+            "dropped. A method's prompt includes its class line. Header and body parse with "
+            f"`ast.parse` for **{evaluation['headers_parsed']} of {len(evaluation['headers'])}** "
+            "headers:",
+            "",
+            "| header | body ends at | parses |",
+            "| --- | --- | --- |",
+        ]
+        lines += [
+            f"| `{h['header'].split(chr(10))[-1].strip()}` | {h['stop']} | "
+            f"{'yes' if h['parses'] else 'no'} |"
+            for h in evaluation["headers"]
+        ]
+        lines.append("")
     if "acceptance" in evaluation:
         acc = evaluation["acceptance"]
         lines += [
@@ -290,5 +430,10 @@ def write_card(model_dir: pathlib.Path, evaluation: dict) -> None:
 
 
 def write_cards(target_dir: pathlib.Path, draft_dir: pathlib.Path) -> None:
+    """Measure both models and rewrite their cards; the foreign set is built once, if absent."""
+    for model_dir in (target_dir, draft_dir):
+        if not (model_dir / FOREIGN_FILE).exists():
+            heldout = json.loads((model_dir / HELDOUT_FILE).read_text())["token_ids"]
+            write_foreign_set(model_dir, window_len=len(heldout[0]), num_windows=len(heldout))
     write_card(target_dir, measure(target_dir))
     write_card(draft_dir, measure(draft_dir, target_dir=target_dir))

@@ -106,13 +106,7 @@ def model_config(spec: ModelSpec, tokenizer: Tokenizer) -> ModelConfig:
     )
 
 
-def heldout_windows(val_tokens: np.ndarray, num_windows: int, window_len: int) -> np.ndarray:
-    """`num_windows` non-overlapping windows spread evenly over the validation stream."""
-    if len(val_tokens) < num_windows * window_len:
-        raise ValueError(f"validation stream of {len(val_tokens)} tokens is too short")
-    last_start = len(val_tokens) - window_len
-    starts = [i * last_start // (num_windows - 1) for i in range(num_windows)]
-    return np.stack([val_tokens[s : s + window_len] for s in starts]).astype(np.int64)
+heldout_windows = corpus.spread_windows  # the held-out slice of the validation stream
 
 
 def prepare_corpus(work_dir: pathlib.Path, seq_len: int, num_heldout_windows: int = 64):

@@ -7,6 +7,7 @@ minillm's. The held-out loss is recomputed with it and compared with the number 
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import json
 import math
@@ -139,6 +140,48 @@ def test_heldout_loss_matches_card(model_dir, hf_model, summary):
     card = (model_dir / "README.md").read_text()
     assert f"{evaluation['heldout_loss']:.4f} nats/token" in card
     assert f"{summary['num_parameters']:,}" in card
+
+
+def test_foreign_loss_and_headers_match_card(model_dir, hf_model, hf_tokenizer, summary):
+    foreign = json.loads((model_dir / "foreign_tokens.json").read_text())
+    windows = torch.tensor(foreign["token_ids"])
+    assert windows.shape == (64, 257)
+    total = 0.0
+    with torch.no_grad():
+        for chunk in windows.split(16):
+            logits = hf_model(chunk[:, :-1]).logits
+            total += F.cross_entropy(
+                logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
+            ).item()
+    loss = total / windows[:, 1:].numel()
+    evaluation = summary["evaluation"]
+    assert evaluation["foreign_num_windows"] == 64
+    assert evaluation["foreign_sources"] == foreign["sources"]
+    assert loss == pytest.approx(evaluation["foreign_loss"], abs=HELDOUT_LOSS_ATOL)
+    assert math.exp(loss) == pytest.approx(evaluation["foreign_perplexity"], rel=HELDOUT_LOSS_ATOL)
+    # the card's count is the count of its own per-header verdicts, and each verdict is ast's
+    headers = evaluation["headers"]
+    assert len(headers) == 10
+    assert evaluation["headers_parsed"] == sum(h["parses"] for h in headers)
+    for h in headers:
+        try:
+            ast.parse(h["header"] + h["body"])
+            ok = True
+        except SyntaxError:
+            ok = False
+        assert h["parses"] == ok
+        assert h["completion"].startswith(h["body"])
+    # the first header's completion, redone with transformers' greedy generate
+    first = headers[0]
+    ids = hf_tokenizer(first["header"], return_tensors="pt").input_ids
+    out = hf_model.generate(ids, max_new_tokens=96, do_sample=False, eos_token_id=1, pad_token_id=2)
+    new = out[0, ids.shape[1] :].tolist()
+    assert hf_tokenizer.decode(new, skip_special_tokens=True) == first["completion"]
+    card = (model_dir / "README.md").read_text()
+    assert f"{evaluation['foreign_loss']:.4f} nats/token" in card
+    assert f"{evaluation['headers_parsed']} of 10" in card
+    for source in foreign["sources"]:
+        assert f"{source['name']} {source['version']} ({source['license']})" in card
 
 
 def test_parameter_count_in_summary(model_dir, hf_model, summary):
