@@ -116,7 +116,8 @@ class OutputProcessor:
             state = self.state_of_seq.get(seq.request_id)
             if state is not None and id(state) not in seen:
                 seen.add(id(state))
-                if state.finished or seq.sampling_params.output_kind != FINAL_ONLY:
+                final_only = seq.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY
+                if state.finished or not final_only:
                     states.append(state)
         outputs = [make_request_output(state) for state in states]
         for state in states:
@@ -205,9 +206,6 @@ def visible_text(seq: Request, text: SequenceText) -> str:
         return text.text
     num_held_back = max(len(s) for s in stop) - 1
     return text.text[: max(0, len(text.text) - num_held_back)]
-
-
-FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 def make_completion_output(seq: Request, text: SequenceText) -> CompletionOutput:

@@ -124,8 +124,8 @@ def test_newline_is_its_own_token(tokenizer):
     assert tokenizer.decode(ids[2:3]) == "\n"
 
 
-def test_heldout_loss_matches_card(model_dir, hf_model, summary):
-    windows = torch.tensor(json.loads((model_dir / "heldout_tokens.json").read_text())["token_ids"])
+def oracle_loss(hf_model, windows: torch.Tensor) -> float:
+    """Mean next-token cross-entropy over the windows, by `transformers` and plain torch."""
     total = 0.0
     with torch.no_grad():
         for chunk in windows.split(16):
@@ -133,7 +133,12 @@ def test_heldout_loss_matches_card(model_dir, hf_model, summary):
             total += F.cross_entropy(
                 logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
             ).item()
-    loss = total / windows[:, 1:].numel()
+    return total / windows[:, 1:].numel()
+
+
+def test_heldout_loss_matches_card(model_dir, hf_model, summary):
+    windows = torch.tensor(json.loads((model_dir / "heldout_tokens.json").read_text())["token_ids"])
+    loss = oracle_loss(hf_model, windows)
     evaluation = summary["evaluation"]
     assert loss == pytest.approx(evaluation["heldout_loss"], abs=HELDOUT_LOSS_ATOL)
     assert math.exp(loss) == pytest.approx(evaluation["heldout_perplexity"], rel=HELDOUT_LOSS_ATOL)
@@ -146,14 +151,7 @@ def test_foreign_loss_and_headers_match_card(model_dir, hf_model, hf_tokenizer, 
     foreign = json.loads((model_dir / "foreign_tokens.json").read_text())
     windows = torch.tensor(foreign["token_ids"])
     assert windows.shape == (64, 257)
-    total = 0.0
-    with torch.no_grad():
-        for chunk in windows.split(16):
-            logits = hf_model(chunk[:, :-1]).logits
-            total += F.cross_entropy(
-                logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
-            ).item()
-    loss = total / windows[:, 1:].numel()
+    loss = oracle_loss(hf_model, windows)
     evaluation = summary["evaluation"]
     assert evaluation["foreign_num_windows"] == 64
     assert evaluation["foreign_sources"] == foreign["sources"]
