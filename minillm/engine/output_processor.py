@@ -145,16 +145,17 @@ def detokenize_new_tokens(seq: Request, text: SequenceText) -> str | None:
     after it, when it is to be included).
     """
     params = seq.sampling_params
-    output_token_ids = seq.all_token_ids[seq.num_prompt_tokens :]
+    tokens, first = seq.all_token_ids, seq.num_prompt_tokens  # output token i: tokens[first + i]
+    num_output = len(tokens) - first
     stopped_on_token = seq.status == RequestStatus.FINISHED_STOPPED and not isinstance(
         seq.stop_reason, str
     )
-    for i in range(text.num_detokenized, len(output_token_ids)):
-        is_last = i == len(output_token_ids) - 1
+    for i in range(text.num_detokenized, num_output):
+        is_last = i == num_output - 1
         text.num_detokenized = i + 1
         if is_last and stopped_on_token and not params.include_stop_str_in_output:
             return None
-        new_text = text.detokenizer.add_token(output_token_ids[i])
+        new_text = text.detokenizer.add_token(tokens[first + i])
         text.text += new_text
         if is_last and stopped_on_token:
             return None

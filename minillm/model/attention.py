@@ -16,6 +16,7 @@ import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -117,50 +118,49 @@ class TorchAttentionPlan:
 
 
 def plan_torch_attention(
-    query_start_loc: list[int],
-    seq_lens: list[int],
-    block_tables: torch.Tensor,
+    query_start_loc: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
     block_size: int,
     device: torch.device | str,
 ) -> TorchAttentionPlan:
-    """The torch backend's plan of a batch, from the host's lists and the padded block tables
-    ([num_seqs, max_num_blocks]): the decode sequences read the first
-    ceil(max_seq_len / block_size) entries of their block tables, whole blocks at a time."""
-    num_seqs = len(seq_lens)
-    decodes = [i for i in range(num_seqs) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+    """The torch backend's plan of a batch, from the host's arrays: query_start_loc
+    [num_seqs + 1], seq_lens [num_seqs] and the padded block tables [num_seqs, max_num_blocks].
+    The decode sequences read the first ceil(max_seq_len / block_size) entries of their block
+    tables, whole blocks at a time. Built on the host (numpy), then moved to `device`."""
+    query_start_loc, seq_lens = np.asarray(query_start_loc), np.asarray(seq_lens)
+    query_lens = np.diff(query_start_loc)
+    decodes = np.flatnonzero(query_lens == 1)
     prefills = [
-        (i, query_start_loc[i], query_start_loc[i + 1], seq_lens[i])
-        for i in range(num_seqs)
-        if query_start_loc[i + 1] - query_start_loc[i] > 1
+        (i, int(query_start_loc[i]), int(query_start_loc[i + 1]), int(seq_lens[i]))
+        for i in np.flatnonzero(query_lens > 1).tolist()
     ]
-    max_seq_len = max((seq_lens[i] for i in decodes), default=0)
+    decode_lens = seq_lens[decodes].astype(np.int64)
+    max_seq_len = int(decode_lens.max()) if len(decodes) else 0
     num_blocks = -(-max_seq_len // block_size)
-    decode_lens = torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64, device=device)
-    tables = block_tables[:, :num_blocks]
-    if prefills:  # the decode rows only
-        tables = tables[torch.tensor(decodes, dtype=torch.int64, device=block_tables.device)]
-    tables = tables.to(device=device, dtype=torch.int64)
+    tables = np.asarray(block_tables)[decodes, :num_blocks].astype(np.int64)
     # a table entry past the sequence's own blocks repeats its first block, which it wrote
     # (all of it, unless the sequence is shorter than a block): so the only gathered slots it
     # never wrote are the tail of its last block, and those of its first when that is short
     own_blocks = -(-decode_lens // block_size)
-    own = torch.arange(num_blocks, device=device)[None, :] < own_blocks[:, None]
-    tables = torch.where(own, tables, tables[:, :1])
-    positions = torch.arange(num_blocks * block_size, device=device)[None, :]
+    own = np.arange(num_blocks)[None, :] < own_blocks[:, None]
+    tables = np.where(own, tables, tables[:, :1])
+    positions = np.arange(num_blocks * block_size)[None, :]
     padding = positions >= decode_lens[:, None]
-    own_position = own.repeat_interleave(block_size, dim=1)
+    own_position = own.repeat(block_size, axis=1)
     offset_written = positions % block_size < decode_lens[:, None]
     unwritten = padding & (own_position | ~offset_written)
+    mask = np.where(padding, np.float32(-np.inf), np.float32(0.0))
+
+    def tensor(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values)).to(device)
+
     return TorchAttentionPlan(
-        decode_rows=torch.tensor(
-            [query_start_loc[i] for i in decodes], dtype=torch.int64, device=device
-        ),
-        decode_block_tables=tables,
-        decode_blocks=tables.flatten(),
-        decode_unwritten_rows=unwritten.flatten().nonzero().flatten(),
-        decode_mask=torch.zeros(padding.shape, device=device)
-        .masked_fill(padding, float("-inf"))
-        .view(len(decodes), 1, 1, num_blocks * block_size),
+        decode_rows=tensor(query_start_loc[decodes].astype(np.int64)),
+        decode_block_tables=tensor(tables),
+        decode_blocks=tensor(tables.reshape(-1)),
+        decode_unwritten_rows=tensor(np.flatnonzero(unwritten)),
+        decode_mask=tensor(mask.reshape(len(decodes), 1, 1, num_blocks * block_size)),
         all_decode=not prefills,
         prefills=prefills,
     )
@@ -213,9 +213,9 @@ def torch_paged_attention(
     plan = meta.torch_plan
     if plan is None:  # metadata built without the plan: derive it once, for every layer
         plan = meta.torch_plan = plan_torch_attention(
-            meta.query_start_loc.tolist(),
-            meta.seq_lens.tolist(),
-            meta.block_tables,
+            meta.query_start_loc.cpu().numpy(),
+            meta.seq_lens.cpu().numpy(),
+            meta.block_tables.cpu().numpy(),
             meta.block_size,
             q.device,
         )

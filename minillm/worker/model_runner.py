@@ -15,8 +15,10 @@ requests. On a GPU, decode-only steps can replay CUDA graphs (`minillm.worker.cu
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minillm.core.request import Request
@@ -65,48 +67,54 @@ def prepare_inputs(
     - 1 (read from its all_token_ids, or input_token_ids[i] when given: the copy a plan
     carries). Token at position p is written to slot block_table[p // block_size] * block_size
     + p % block_size, and attends to the request's first p + 1 tokens.
+
+    The arithmetic runs on the host over whole arrays (numpy), one operation per quantity
+    rather than one per token, as vLLM's input batch does; the tensors then go to `device`.
     """
-    block_tables = [chunk.block_ids for chunk in scheduled]
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    for i, (chunk, block_table) in enumerate(zip(scheduled, block_tables, strict=True)):
-        start = chunk.num_computed_tokens
-        end = start + chunk.num_new_tokens
-        if input_token_ids is None:
-            input_ids += chunk.request.all_token_ids[start:end]
-        else:
-            input_ids += input_token_ids[i]
-        positions += range(start, end)
-        slot_mapping += [
-            block_table[p // block_size] * block_size + p % block_size for p in range(start, end)
+    n = len(scheduled)
+    num_new = np.fromiter((chunk.num_new_tokens for chunk in scheduled), np.int64, n)
+    computed = np.fromiter((chunk.num_computed_tokens for chunk in scheduled), np.int64, n)
+    seq_lens = computed + num_new
+    query_start_loc = np.zeros(n + 1, np.int64)
+    np.cumsum(num_new, out=query_start_loc[1:])
+    if input_token_ids is None:
+        input_token_ids = [
+            chunk.request.all_token_ids[chunk.num_computed_tokens : end]
+            for chunk, end in zip(scheduled, seq_lens.tolist(), strict=True)
         ]
-        query_start_loc.append(query_start_loc[-1] + chunk.num_new_tokens)
-        seq_lens.append(end)
-    max_num_blocks = max(len(table) for table in block_tables)
-    padded_tables = [table + [0] * (max_num_blocks - len(table)) for table in block_tables]
+    input_ids = np.fromiter(itertools.chain.from_iterable(input_token_ids), np.int64)
+    # each token's request, and its position in that request
+    token_seq = np.repeat(np.arange(n), num_new)
+    positions = np.arange(len(token_seq)) - query_start_loc[token_seq] + computed[token_seq]
+    # the block tables, padded with 0 to the longest
+    table_lens = np.fromiter((len(chunk.block_ids) for chunk in scheduled), np.int64, n)
+    block_tables = np.zeros((n, table_lens.max()), np.int32)
+    block_tables[np.arange(block_tables.shape[1]) < table_lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(chunk.block_ids for chunk in scheduled), np.int32
+    )
+    slot_mapping = (
+        block_tables[token_seq, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
     # only a request that reached its last token samples; its logits come from that token
-    logits_indices = [
-        query_start_loc[i + 1] - 1 for i, chunk in enumerate(scheduled) if chunk.samples
-    ]
+    samples = np.fromiter((chunk.samples for chunk in scheduled), bool, n)
+    logits_indices = query_start_loc[1:][samples] - 1
 
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+    def tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(values).to(device=device, dtype=dtype)
 
-    block_tables_tensor = tensor(padded_tables, torch.int32)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     meta = AttentionMetadata(
         slot_mapping=tensor(slot_mapping, torch.int64),
         query_start_loc=tensor(query_start_loc, torch.int32),
         seq_lens=tensor(seq_lens, torch.int32),
-        block_tables=block_tables_tensor,
-        max_query_len=max(chunk.num_new_tokens for chunk in scheduled),
-        max_seq_len=max(seq_lens),
+        block_tables=tensor(block_tables, torch.int32),
+        max_query_len=int(num_new.max()),
+        max_seq_len=max(lens),
         block_size=block_size,
-        mixed=split_mixed_batch(query_start_loc, seq_lens, device),
+        mixed=split_mixed_batch(starts, lens, device),
         torch_plan=plan_torch_attention(
-            query_start_loc, seq_lens, block_tables_tensor, block_size, device
+            query_start_loc, seq_lens, block_tables, block_size, device
         ),
     )
     return ModelInput(

@@ -263,8 +263,8 @@ class Sampler:
 
         processed = self.processed_logits(logits, requests)
         token_ids = processed.argmax(dim=-1)  # greedy; ties go to the lowest token id
-        is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-        if not is_greedy.all():
+        if not all(p.is_greedy for p in params):
+            is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
             sampled = self.draw(processed.softmax(dim=-1), [r.generator for r in requests])
             token_ids = torch.where(is_greedy, token_ids, sampled)
         if not wants_logprobs:
@@ -314,9 +314,9 @@ class Sampler:
                 self._column(params, "frequency_penalty", logits),
                 self._column(params, "repetition_penalty", logits),
             )
-        is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-        if is_greedy.all():
+        if all(p.is_greedy for p in params):
             return logits
+        is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
         return torch.where(is_greedy[:, None], logits, self._filter(logits, params, is_greedy))
 
     def draw(
