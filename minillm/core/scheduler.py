@@ -625,8 +625,12 @@ class Scheduler:
         """Disaggregation: a step that finished this request's prompt is being taken back,
         but its KV transfer still writes into the request's blocks: they leave its tables
         (it recomputes into new ones) and go back to the pool when that transfer lands, as an
-        aborted request's do (`update_from_remote_kvs`)."""
-        request = self.requests[request_id]
+        aborted request's do (`update_from_remote_kvs`). A request that finished meanwhile
+        (aborted while the step was processed) is no longer the scheduler's: `finish_requests`
+        has dealt with its blocks already."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
         self.finished_awaiting_kvs.setdefault(request_id, []).append(self._take_blocks(request))
 
     def requeue(self, output: SchedulerOutput) -> None:

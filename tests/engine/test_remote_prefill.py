@@ -115,3 +115,21 @@ def test_a_first_token_that_ends_the_request_finishes_it_on_arrival():
     [a] = scheduler.update_from_remote_kvs([("a", SampledToken(8))])
     assert a.status == RequestStatus.FINISHED_LENGTH
     assert free_blocks(scheduler) == NUM_BLOCKS and not scheduler.has_unfinished_requests()
+
+
+def test_a_step_taken_back_holds_the_blocks_of_its_transfers_once():
+    scheduler = make_scheduler()
+    scheduler.add_request(request("a", 10))
+    scheduler.add_request(request("b", 6))
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, decode_tokens(plan))
+    # "a" was aborted while its KV was in transfer: finish_requests holds its 3 blocks; the
+    # step is then taken back, and holding "a" again must neither fail nor hold them twice
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    scheduler.hold_for_transfer("a")
+    assert [len(blocks) for blocks in scheduler.finished_awaiting_kvs["a"]] == [3]
+    scheduler.hold_for_transfer("b")
+    assert [len(blocks) for blocks in scheduler.finished_awaiting_kvs["b"]] == [2]
+    assert free_blocks(scheduler) == NUM_BLOCKS - 5
+    scheduler.update_from_remote_kvs([("a", SampledToken(1))])
+    assert free_blocks(scheduler) == NUM_BLOCKS - 2
