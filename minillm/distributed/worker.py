@@ -17,6 +17,7 @@ import os
 import pickle
 import queue
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -61,8 +62,9 @@ class WorkerSpec:
     num_micro_batches: int  # pipeline parallelism: micro-batches per step (at most)
     port: int
     # pipeline parallelism: batches kept in flight across steps, each one micro-batch (a
-    # stage does not wait for the next one to receive a batch before it takes the next)
-    batches_in_flight: bool = False
+    # stage does not wait for the next one to receive a batch before it takes the next);
+    # 0: each step drains the pipeline
+    batches_in_flight: int = 0
     # prefill/decode disaggregation: a prefill rank and a decode rank (minillm.distributed.
     # disaggregation) instead of model parallelism
     kv_transfer: KVTransferConfig | None = None
@@ -108,7 +110,9 @@ class Worker:
             model = shard_model(model, rank, self.comm, parallel.enable_expert_parallel)
             del loaded
         else:
-            model = make_stage(model, rank, parallel.pipeline_parallel_size)
+            model = make_stage(
+                model, rank, parallel.pipeline_parallel_size, parallel.pipeline_layer_partition
+            )
         self.is_driver = rank == parallel.driver_rank
         generator = torch.Generator(device).manual_seed(spec.seed)
         self.runner = ModelRunner(model, Sampler(generator), spec.num_blocks, spec.block_size)
@@ -139,7 +143,11 @@ class Worker:
         timing, faults = None, []
         if self.spec.parallel.pipeline_parallel_size > 1:
             micro_batches = split_micro_batches(scheduled, self.spec.num_micro_batches)
-            logits, timing, faults = run_stage(runner, self.comm, micro_batches, self.sends)
+            # batches in flight: this stage may run up to all but one of them ahead
+            max_sends = max(1, self.spec.batches_in_flight - 1)
+            logits, timing, faults = run_stage(
+                runner, self.comm, micro_batches, self.sends, max_sends
+            )
             logits = torch.cat(logits) if logits else None
         else:
             inputs = prepare_inputs(scheduled, runner.block_size, runner.device)
@@ -162,7 +170,12 @@ class Worker:
         if not rows:
             return {}
         self._rewind_streams(plan.step, [seq.request_id for seqs in rows for seq in seqs])
-        return runner.sample(logits, rows)
+        sampled = runner.sample(logits, rows)
+        if timing is not None:  # the last stage's step ends once it has sampled (its own work)
+            now = time.monotonic()
+            timing.busy_s += now - timing.end_s
+            timing.end_s = now  # the step's record holds this timing
+        return sampled
 
     def _rewind_streams(self, step: int, seq_ids: list[str]) -> None:
         """Before the driver samples for `step`: the first time, note where the sequences'
