@@ -42,7 +42,12 @@ import time
 import torch
 
 from minillm.distributed import pipeline
-from minillm.distributed.pipeline import bubble_fraction, bubble_parts, measured_bubble
+from minillm.distributed.pipeline import (
+    bubble_fraction,
+    bubble_parts,
+    measured_bubble,
+    uneven_bubble_fraction,
+)
 from minillm.llm import LLM
 from minillm.sampling_params import SamplingParams
 
@@ -59,6 +64,7 @@ MODES = {
     "in_flight": {"pipeline_batches_in_flight": 2},
     "in_flight_3": {"pipeline_batches_in_flight": 3},
 }
+LAYER_MS = 7.0  # the device stand-in's wait per layer: 21 ms for a stage of 3 layers
 PARTS = ("fill_and_drain", "within_steps", "between_steps")  # pipeline.bubble_parts
 
 
@@ -84,17 +90,17 @@ def _run(llm: LLM, params: SamplingParams) -> dict:
 
 
 @contextlib.contextmanager
-def device_stand_in(stage_seconds: float | None):
-    """Every stage's forward over a micro-batch also waits stage_seconds (None: nothing
-    changes). Worker processes forked inside the block inherit it."""
-    if stage_seconds is None:
+def device_stand_in(layer_seconds: float | None):
+    """Every stage's forward over a micro-batch also waits layer_seconds per layer it holds
+    (None: nothing changes). Worker processes forked inside the block inherit it."""
+    if layer_seconds is None:
         yield
         return
     forward = pipeline.stage_forward
 
-    def waiting_forward(*args):
-        x = forward(*args)
-        time.sleep(stage_seconds)
+    def waiting_forward(model, *args):
+        x = forward(model, *args)
+        time.sleep(layer_seconds * len(model.model.layers))
         return x
 
     pipeline.stage_forward = waiting_forward
@@ -105,21 +111,31 @@ def device_stand_in(stage_seconds: float | None):
 
 
 def measure_bubble(
-    repeats: int = 5, max_tokens: int = MAX_TOKENS, stage_seconds: float | None = None
+    repeats: int = 5,
+    max_tokens: int = MAX_TOKENS,
+    layer_seconds: float | None = None,
+    partition: tuple[int, ...] | None = None,
 ) -> dict:
-    """Both engines, `repeats` interleaved runs each: per mode the runs' bubbles, their
-    median and range, the formula, and whether the tokens equal one process's."""
-    with device_stand_in(stage_seconds):
-        return _measure(repeats, max_tokens) | {"stage_seconds": stage_seconds}
+    """The three engines, `repeats` interleaved runs each: per mode the runs' bubbles, their
+    median and range, both formulas, and whether the tokens equal one process's.
+    `partition`: the layers per stage (`pipeline_layer_partition`; None: equal shares)."""
+    with device_stand_in(layer_seconds):
+        measured = _measure(repeats, max_tokens, partition)
+    return measured | {"layer_seconds": layer_seconds, "partition": partition}
 
 
-def _measure(repeats: int, max_tokens: int) -> dict:
+def _measure(repeats: int, max_tokens: int, partition: tuple[int, ...] | None) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(dtype="float32") as one:
         outputs = one.generate(PROMPTS, params, use_tqdm=False)
         reference = [list(o.outputs[0].token_ids) for o in outputs]
     engines = {
-        mode: LLM(dtype="float32", pipeline_parallel_size=2, **options)
+        mode: LLM(
+            dtype="float32",
+            pipeline_parallel_size=2,
+            pipeline_layer_partition=partition,
+            **options,
+        )
         for mode, options in MODES.items()
     }
     try:
@@ -137,13 +153,22 @@ def _measure(repeats: int, max_tokens: int) -> dict:
     for mode, mode_runs in runs.items():
         bubbles = [run["bubble"] for run in mode_runs]
         batches = mode_runs[0]["micro_batches"]
-        formula = bubble_fraction(2, 2 if mode == "drained" else batches)
+        items = 2 if mode == "drained" else batches  # what fills and drains the pipeline
+        # each run's stages, busy per micro-batch (or batch), in the formula for unequal ones
+        stage_seconds = [[busy / batches for busy in r["busy_s_per_stage"]] for r in mode_runs]
+        uneven = [uneven_bubble_fraction(t, items) for t in stage_seconds]
         result[mode] = {
             "options": MODES[mode],
-            "formula": formula,
+            "formula": bubble_fraction(2, items),
             "formula_reads": "(p-1)/(m+p-1), m=2 per step"
             if mode == "drained"
             else f"(p-1)/(n+p-1), n={batches} batches in the run",
+            # the stages as measured: 1 - n sum(t) / (p (sum(t) + (n-1) max(t))), per run
+            "formula_uneven_median": statistics.median(uneven),
+            "formula_uneven": uneven,
+            "stage_seconds_per_batch_median": [
+                statistics.median(t[s] for t in stage_seconds) for s in range(2)
+            ],
             "bubble_median": statistics.median(bubbles),
             "bubble_min": min(bubbles),
             "bubble_max": max(bubbles),
@@ -170,14 +195,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--stage-ms", type=float, default=20.0, help="the device stand-in's wait per forward"
+        "--layer-ms",
+        type=float,
+        default=LAYER_MS,
+        help="the device stand-in's wait per layer of a stage's forward",
     )
+    parser.add_argument("--partition", help='layers per stage, as "4,2" (default: equal shares)')
     parser.add_argument("--json", type=pathlib.Path, help="write the results here")
     args = parser.parse_args(argv)
+    partition = None if args.partition is None else tuple(map(int, args.partition.split(",")))
     load_before = os.getloadavg()
     measured = {
-        "compute": measure_bubble(args.repeats),
-        "device_stand_in": measure_bubble(args.repeats, stage_seconds=args.stage_ms / 1e3),
+        "compute": measure_bubble(args.repeats, partition=partition),
+        "device_stand_in": measure_bubble(
+            args.repeats, layer_seconds=args.layer_ms / 1e3, partition=partition
+        ),
     }
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -194,7 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
         r = result[kind][mode]
         print(
             f"{kind}, {mode}: bubble {r['bubble_median']:.3f} ({r['bubble_min']:.3f}-"
-            f"{r['bubble_max']:.3f}) against {r['formula']:.3f} {r['formula_reads']}; "
+            f"{r['bubble_max']:.3f}) against {r['formula']:.3f} {r['formula_reads']}, "
+            f"{r['formula_uneven_median']:.3f} for the stages as measured "
+            f"({', '.join(f'{1e3 * t:.1f}' for t in r['stage_seconds_per_batch_median'])} "
+            f"ms per batch); "
             f"{r['seconds_median']:.2f} s; tokens equal one process: "
             f"{r['tokens_equal_one_process']}"
         )
