@@ -7,23 +7,34 @@ flight across steps (`pipeline_batches_in_flight=2` or 3). `measure_bubble` runs
 turns (the order alternates every repeat, after a warm-up run each), and for every run reads
 the stages' timings (`LLMEngine.pipeline_stats`), measures the idle share of the stages over
 the whole run (`pipeline.run_bubble`) and splits it into its parts (`pipeline.bubble_parts`:
-fill and drain, waits for another stage within a step, gaps between steps). Each is set
-against the formula for what it does:
+fill and drain, waits for another stage within a step, gaps between steps). A stage is busy
+while it does its own work on a batch (preparing the inputs, its layers, and on the last
+stage the logits and the sampling: `pipeline.StageTiming`) and idle while it waits. Each
+engine is set against two formulas:
 
-- drained: every step fills and drains a pipeline of m micro-batches, (p - 1) / (m + p - 1);
-- in flight: the run's n batches fill and drain it once, (p - 1) / (n + p - 1).
+- equal stages (GPipe): every step fills and drains a pipeline of m micro-batches,
+  (p - 1) / (m + p - 1); with batches in flight the run's n batches fill and drain it once,
+  (p - 1) / (n + p - 1);
+- the stages as measured (`pipeline.uneven_bubble_fraction`): each stage's busy time per
+  micro-batch (or batch) t_s in 1 - n sum(t) / (p (sum(t) + (n - 1) max(t))), the schedule
+  of stages of unequal time, paced by the slowest. The last stage also computes the logits
+  and samples, so it is the slower one unless it holds fewer layers (`partition`).
 
-The formula counts only the stages' computation. The measured share also holds everything
-else a stage waits for: the engine processing one batch's tokens and planning the next,
-pickling plans to the worker processes, the hidden states crossing between processes, and,
-on a shared machine, other processes holding the cores. It also checks that both engines
-give the one-process engine's tokens. Speed is measured, never asserted.
+Neither counts what is left: the engine processing one batch's tokens and planning the
+next, pickling plans to the worker processes and the tokens back, the hidden states
+crossing between processes, and, on a shared machine, other processes holding the cores.
+It also checks that every engine gives the one-process engine's tokens. Speed is measured,
+never asserted.
 
 On a machine with fewer free cores than processes the stages cannot compute at the same
-time, and the bubble measures the machine more than the schedule. `stage_seconds` then
-stands in for a device: every micro-batch's forward on every stage also waits that long,
-as a host waits for a GPU's kernels, which needs no core, so the stages overlap as they
-would on their own devices.
+time, and the bubble measures the machine more than the schedule. `layer_seconds` then
+stands in for a device: every stage's forward over a micro-batch also waits that long per
+layer the stage holds, as a host waits for a GPU's kernels, which needs no core, so the
+stages overlap as they would on their own devices, and a stage with more layers takes
+longer, as on a device. The logits and the sampling get no such wait: on the bundled model
+(6 layers of hidden size 256, a vocabulary of 4096) they are host work of a millisecond or
+two, less than one layer's wait, so no split of whole layers evens the stages better than
+equal shares; `--partition 4,2` shows an uneven one against its formula.
 
     python -m minillm.lab.pipeline_bench --json benchmarks/results/pipeline_cpu.json
 """
@@ -64,6 +75,10 @@ MODES = {
     "in_flight": {"pipeline_batches_in_flight": 2},
     "in_flight_3": {"pipeline_batches_in_flight": 3},
 }
+# recorded by main() (the chapter reads the uneven split from it)
+RESULTS = (
+    pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "pipeline_cpu.json"
+)
 LAYER_MS = 7.0  # the device stand-in's wait per layer: 21 ms for a stage of 3 layers
 PARTS = ("fill_and_drain", "within_steps", "between_steps")  # pipeline.bubble_parts
 
@@ -191,6 +206,22 @@ def _measure(repeats: int, max_tokens: int, partition: tuple[int, ...] | None) -
     return result
 
 
+def verdict(r: dict, tolerance: float = 0.2) -> str:
+    """One mode's measured bubble against both formulas, and whether it is within
+    `tolerance` (relative) of each."""
+    parts = []
+    for key, what in (
+        ("formula", "equal stages"),
+        ("formula_uneven_median", "the stages as measured"),
+    ):
+        within = abs(r["bubble_median"] - r[key]) <= tolerance * r[key]
+        parts.append(
+            f"{r[key]:.3f} for {what} ({'within' if within else 'not within'} "
+            f"{100 * tolerance:.0f}%)"
+        )
+    return f"bubble {r['bubble_median']:.3f} against " + " and ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -201,9 +232,16 @@ def main(argv: list[str] | None = None) -> dict:
         help="the device stand-in's wait per layer of a stage's forward",
     )
     parser.add_argument("--partition", help='layers per stage, as "4,2" (default: equal shares)')
+    parser.add_argument(
+        "--uneven-partition",
+        default="4,2",
+        help="a split also measured with the stand-in, against its formula ('' for none)",
+    )
+    parser.add_argument("--note", default="", help="said in the JSON's note (the machine's load)")
     parser.add_argument("--json", type=pathlib.Path, help="write the results here")
     args = parser.parse_args(argv)
     partition = None if args.partition is None else tuple(map(int, args.partition.split(",")))
+    uneven = tuple(map(int, args.uneven_partition.split(","))) if args.uneven_partition else None
     load_before = os.getloadavg()
     measured = {
         "compute": measure_bubble(args.repeats, partition=partition),
@@ -211,6 +249,16 @@ def main(argv: list[str] | None = None) -> dict:
             args.repeats, layer_seconds=args.layer_ms / 1e3, partition=partition
         ),
     }
+    if uneven is not None:
+        measured["device_stand_in_uneven"] = measure_bubble(
+            args.repeats, layer_seconds=args.layer_ms / 1e3, partition=uneven
+        )
+    verdicts = "; ".join(
+        f"{kind} (split {measured[kind]['partition'] or 'equal'}), in_flight_3: "
+        + verdict(measured[kind]["in_flight_3"])
+        for kind in measured
+        if kind != "compute"
+    )
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": platform.processor() or platform.machine(),
@@ -219,7 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "note": "times and the compute bubbles swing with the machine's load (load average "
-        "above, over its cpu_count cores); the device stand-in's bubbles much less",
+        "above, over its cpu_count cores); the device stand-in's bubbles much less. "
+        + (args.note + " " if args.note else "")
+        + verdicts,
         **measured,
     }
     for kind, mode in ((kind, mode) for kind in measured for mode in MODES):
