@@ -178,7 +178,6 @@ def run_stage(
     comm: Communicator,
     micro_batches: list[list[ScheduledRequest]],
     sends: list | None = None,
-    max_sends: int = 1,
 ) -> tuple[list[torch.Tensor], StageTiming, list[str]]:
     """Run this stage over every micro-batch: receive hidden states from the previous stage
     (or embed the tokens), run the stage's layers, send on (or compute the logits of the
@@ -189,11 +188,12 @@ def run_stage(
 
     The step ends once the next stage has received every send, unless `sends` is given
     (batches in flight): the sends are then left in it, and this stage goes on to the next
-    batch while the next stage finishes the previous one. At most `max_sends` batches'
-    hidden states are on the way: before it sends, this stage waits for the next one to
-    take the oldest of the sends earlier calls left there. With k batches in flight the
-    engine lets the first stage run up to k - 1 batches ahead of the last one, so that it
-    has the next batch ready while the engine plans another."""
+    batch while the next stage finishes the previous one; the sends an earlier call left
+    there are waited for before this one sends its own. So one batch's hidden states at most
+    are on the way, the first stage at most one batch ahead of the next; letting it run
+    further ahead (more sends on the way) measured no smaller bubble with three batches in
+    flight (minillm.lab.pipeline_bench), since it then waits between steps for the engine's
+    next plan instead."""
     model, rank, size = runner.model, comm.rank, comm.world_size
     first, last = rank == 0, rank == size - 1
     start = time.monotonic()
@@ -223,9 +223,9 @@ def run_stage(
             if last:
                 logits.append(x)
         if not last:
-            if in_flight:  # at most max_sends batches' hidden states on the way
+            if in_flight:  # at most one batch's hidden states on the way
                 busy_s += time.monotonic() - began
-                wait_sends(sends, keep=max_sends - 1)
+                wait_sends(sends)
                 began = time.monotonic()
             sends.append((comm.send(x, rank + 1), x))
         busy_s += time.monotonic() - began
@@ -235,13 +235,12 @@ def run_stage(
     return logits, timing, faults
 
 
-def wait_sends(sends: list, keep: int = 0) -> None:
-    """Wait until the next stage has received the oldest sends in `sends`, and drop them,
-    until at most `keep` are left."""
+def wait_sends(sends: list) -> None:
+    """Wait until the next stage has received every send in `sends`, and empty it."""
     with in_collective():  # the next stage may still be busy with an earlier micro-batch
-        while len(sends) > keep:
-            work, _ = sends.pop(0)
+        for work, _ in sends:
             work.wait()
+    sends.clear()
 
 
 def stage_forward(model: LlamaForCausalLM, inputs, x: torch.Tensor | None, kv_caches):

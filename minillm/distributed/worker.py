@@ -62,9 +62,8 @@ class WorkerSpec:
     num_micro_batches: int  # pipeline parallelism: micro-batches per step (at most)
     port: int
     # pipeline parallelism: batches kept in flight across steps, each one micro-batch (a
-    # stage does not wait for the next one to receive a batch before it takes the next);
-    # 0: each step drains the pipeline
-    batches_in_flight: int = 0
+    # stage does not wait for the next one to receive a batch before it takes the next)
+    batches_in_flight: bool = False
     # prefill/decode disaggregation: a prefill rank and a decode rank (minillm.distributed.
     # disaggregation) instead of model parallelism
     kv_transfer: KVTransferConfig | None = None
@@ -143,11 +142,7 @@ class Worker:
         timing, faults = None, []
         if self.spec.parallel.pipeline_parallel_size > 1:
             micro_batches = split_micro_batches(scheduled, self.spec.num_micro_batches)
-            # batches in flight: this stage may run up to all but one of them ahead
-            max_sends = max(1, self.spec.batches_in_flight - 1)
-            logits, timing, faults = run_stage(
-                runner, self.comm, micro_batches, self.sends, max_sends
-            )
+            logits, timing, faults = run_stage(runner, self.comm, micro_batches, self.sends)
             logits = torch.cat(logits) if logits else None
         else:
             inputs = prepare_inputs(scheduled, runner.block_size, runner.device)

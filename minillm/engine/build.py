@@ -158,7 +158,7 @@ def build_executor(
             if args.pipeline_batches_in_flight
             else args.pipeline_micro_batches or parallel.pipeline_parallel_size,
             port=free_port(),
-            batches_in_flight=args.pipeline_batches_in_flight or 0,
+            batches_in_flight=bool(args.pipeline_batches_in_flight),
             kv_transfer=args.kv_transfer_config,
         )
     )
