@@ -259,17 +259,28 @@ def main(argv: list[str] | None = None) -> dict:
         for kind in measured
         if kind != "compute"
     )
+    met = [
+        str(measured[kind]["partition"] or "equal")
+        for kind in measured
+        if kind != "compute"
+        and "(within" in verdict(measured[kind]["in_flight_3"]).split(" and ")[0]
+    ]
+    load_after = os.getloadavg()
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
+        "load_average_after": load_after,
         "note": "times and the compute bubbles swing with the machine's load (load average "
         "above, over its cpu_count cores); the device stand-in's bubbles much less. "
+        + f"Load average over the last minute: {load_before[0]:.1f} before, "
+        f"{load_after[0]:.1f} after. "
         + (args.note + " " if args.note else "")
-        + verdicts,
+        + verdicts
+        + ". Three batches in flight with the stand-in meet the equal-stage formula (within "
+        + f"20%) with the split: {', '.join(met) if met else 'none measured'}.",
         **measured,
     }
     for kind, mode in ((kind, mode) for kind in measured for mode in MODES):
