@@ -206,19 +206,23 @@ def _measure(repeats: int, max_tokens: int, partition: tuple[int, ...] | None) -
     return result
 
 
+def within(r: dict, key: str, tolerance: float = 0.2) -> bool:
+    """Whether one mode's measured bubble is within `tolerance` (relative) of r[key], one of
+    its formulas ("formula": equal stages, "formula_uneven_median": the stages as measured)."""
+    return abs(r["bubble_median"] - r[key]) <= tolerance * r[key]
+
+
 def verdict(r: dict, tolerance: float = 0.2) -> str:
     """One mode's measured bubble against both formulas, and whether it is within
     `tolerance` (relative) of each."""
-    parts = []
-    for key, what in (
-        ("formula", "equal stages"),
-        ("formula_uneven_median", "the stages as measured"),
-    ):
-        within = abs(r["bubble_median"] - r[key]) <= tolerance * r[key]
-        parts.append(
-            f"{r[key]:.3f} for {what} ({'within' if within else 'not within'} "
-            f"{100 * tolerance:.0f}%)"
+    parts = [
+        f"{r[key]:.3f} for {what} ({'within' if within(r, key, tolerance) else 'not within'} "
+        f"{100 * tolerance:.0f}%)"
+        for key, what in (
+            ("formula", "equal stages"),
+            ("formula_uneven_median", "the stages as measured"),
         )
+    ]
     return f"bubble {r['bubble_median']:.3f} against " + " and ".join(parts)
 
 
@@ -262,8 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     met = [
         str(measured[kind]["partition"] or "equal")
         for kind in measured
-        if kind != "compute"
-        and "(within" in verdict(measured[kind]["in_flight_3"]).split(" and ")[0]
+        if kind != "compute" and within(measured[kind]["in_flight_3"], "formula")
     ]
     load_after = os.getloadavg()
     result = {
