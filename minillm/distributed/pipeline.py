@@ -9,7 +9,10 @@ so while stage 1 works on micro-batch 0, stage 0 already computes micro-batch 1.
 With equal micro-batches that each take t per stage, a step takes (m + p - 1) t of which each
 stage is busy m t: the idle share, the pipeline bubble, is (p - 1) / (m + p - 1) (GPipe:
 Huang et al., 2019). `run_stage` measures each stage's busy time so the bubble can be checked
-against that formula.
+against that formula. Stages need not take equal time: the last one also computes the
+logits and samples, and `ParallelConfig.pipeline_layer_partition` may give the stages
+unequal numbers of layers; the slowest stage then paces the pipeline
+(`uneven_bubble_fraction`).
 
 That bubble recurs every step when each step drains the pipeline before the next begins. A
 serving engine can instead keep batches of different requests in flight across steps
