@@ -58,6 +58,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # layers per pipeline stage, first to last (vLLM's VLLM_PP_LAYER_PARTITION); None: equal
+    # shares, the first stages one more
+    pipeline_layer_partition: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -78,6 +81,7 @@ class ParallelConfig:
             raise ValueError(
                 f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}"
             )
+        self._check_partition()
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise ValueError(
                 "tensor_parallel_size and pipeline_parallel_size cannot both be > 1 in minillm; "
@@ -121,6 +125,30 @@ class ParallelConfig:
             raise ValueError(
                 f"pipeline_parallel_size={pp} is more stages than the model's "
                 f"{config.num_hidden_layers} layers"
+            )
+        partition = self.pipeline_layer_partition
+        if partition is not None and sum(partition) != config.num_hidden_layers:
+            raise ValueError(
+                f"pipeline_layer_partition {partition} holds {sum(partition)} layers; the "
+                f"model has {config.num_hidden_layers}"
+            )
+
+    def _check_partition(self) -> None:
+        """An uneven split of the layers: one positive count per pipeline stage."""
+        partition = self.pipeline_layer_partition
+        if partition is None:
+            return
+        if not isinstance(partition, tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in partition
+        ):
+            raise ValueError(
+                'pipeline_layer_partition must be layers per stage, ints >= 1 (as "4,2" or '
+                f"(4, 2)), got {partition!r}"
+            )
+        if len(partition) != self.pipeline_parallel_size:
+            raise ValueError(
+                f"pipeline_layer_partition {partition} names {len(partition)} stages; "
+                f"pipeline_parallel_size is {self.pipeline_parallel_size}"
             )
 
     def _check_experts(self, config: ModelConfig) -> None:

@@ -9,7 +9,10 @@ so while stage 1 works on micro-batch 0, stage 0 already computes micro-batch 1.
 With equal micro-batches that each take t per stage, a step takes (m + p - 1) t of which each
 stage is busy m t: the idle share, the pipeline bubble, is (p - 1) / (m + p - 1) (GPipe:
 Huang et al., 2019). `run_stage` measures each stage's busy time so the bubble can be checked
-against that formula.
+against that formula. Stages need not take equal time: the last one also computes the
+logits and samples, and `ParallelConfig.pipeline_layer_partition` may give the stages
+unequal numbers of layers; the slowest stage then paces the pipeline
+(`uneven_bubble_fraction`).
 
 That bubble recurs every step when each step drains the pipeline before the next begins. A
 serving engine can instead keep batches of different requests in flight across steps
@@ -34,16 +37,28 @@ from minillm.model.llama import LlamaForCausalLM
 from minillm.worker.model_runner import ModelRunner, prepare_inputs
 
 
-def stage_layers(num_layers: int, stage: int, num_stages: int) -> tuple[int, int]:
-    """[start, end) of the layers of `stage`: equal shares, the first stages one more."""
+def stage_layers(
+    num_layers: int, stage: int, num_stages: int, partition: tuple[int, ...] | None = None
+) -> tuple[int, int]:
+    """[start, end) of the layers of `stage`: equal shares, the first stages one more, or
+    `partition[s]` layers for stage s (`ParallelConfig.pipeline_layer_partition`, checked
+    there)."""
+    if partition is not None:
+        start = sum(partition[:stage])
+        return start, start + partition[stage]
     base, extra = divmod(num_layers, num_stages)
     start = stage * base + min(stage, extra)
     return start, start + base + (stage < extra)
 
 
-def make_stage(model: LlamaForCausalLM, stage: int, num_stages: int) -> LlamaForCausalLM:
+def make_stage(
+    model: LlamaForCausalLM,
+    stage: int,
+    num_stages: int,
+    partition: tuple[int, ...] | None = None,
+) -> LlamaForCausalLM:
     """Trim a loaded model, in place, to what `stage` runs; its config counts its layers."""
-    start, end = stage_layers(model.config.num_hidden_layers, stage, num_stages)
+    start, end = stage_layers(model.config.num_hidden_layers, stage, num_stages, partition)
     model.model.layers = nn.ModuleList(list(model.model.layers)[start:end])
     if stage > 0:
         model.model.embed_tokens = None
@@ -77,8 +92,14 @@ def split_micro_batches(
 
 @dataclasses.dataclass(slots=True)
 class StageTiming:
-    """One stage's share of one step: time computing, and when the stage began and ended the
-    step (time.monotonic, one clock for every process of the machine)."""
+    """One stage's share of one step: time busy, and when the stage began and ended the step
+    (time.monotonic, one clock for every process of the machine).
+
+    Busy is the stage's own work on the step's micro-batches: preparing their inputs, its
+    layers, and on the last stage the logits and the sampling of the tokens (the step ends
+    once they are sampled: `Worker.execute_model`). Waiting is idle: for the previous
+    stage's hidden states, for the next stage to take this one's, and between steps for the
+    engine's next plan."""
 
     num_micro_batches: int
     busy_s: float
@@ -89,6 +110,21 @@ class StageTiming:
 def bubble_fraction(num_stages: int, num_micro_batches: int) -> float:
     """The idle share of a pipelined step with equal micro-batches: (p - 1) / (m + p - 1)."""
     return (num_stages - 1) / (num_micro_batches + num_stages - 1)
+
+
+def uneven_bubble_fraction(stage_seconds: list[float], num_items: int) -> float:
+    """The idle share of n equal items (micro-batches, or batches in flight) through stages
+    that take t_s each per item, when a stage may run ahead of the next (its hidden states
+    wait there): the first item crosses in sum(t), and after it the slowest stage lets one
+    out every max(t), so the run takes sum(t) + (n - 1) max(t) while the stages are busy
+    n sum(t) of p times that:
+
+        1 - n sum(t) / (p (sum(t) + (n - 1) max(t))),
+
+    which for equal stages (t_s = t) is (p - 1) / (n + p - 1), `bubble_fraction`."""
+    total, slowest = sum(stage_seconds), max(stage_seconds)
+    span = total + (num_items - 1) * slowest
+    return 1.0 - num_items * total / (len(stage_seconds) * span)
 
 
 def measured_bubble(step_timings: list[StageTiming]) -> float:
@@ -156,7 +192,11 @@ def run_stage(
     The step ends once the next stage has received every send, unless `sends` is given
     (batches in flight): the sends are then left in it, and this stage goes on to the next
     batch while the next stage finishes the previous one; the sends an earlier call left
-    there are waited for before this one sends its own."""
+    there are waited for before this one sends its own. So one batch's hidden states at most
+    are on the way, the first stage at most one batch ahead of the next; letting it run
+    further ahead (more sends on the way) measured no smaller bubble with three batches in
+    flight (minillm.lab.pipeline_bench), since it then waits between steps for the engine's
+    next plan instead."""
     model, rank, size = runner.model, comm.rank, comm.world_size
     first, last = rank == 0, rank == size - 1
     start = time.monotonic()
@@ -165,13 +205,15 @@ def run_stage(
     in_flight = sends is not None
     sends = [] if sends is None else sends
     for batch in micro_batches:
+        began = time.monotonic()
         inputs = prepare_inputs(batch, runner.block_size, runner.device)
         if first:
             x = None
-        else:
+        else:  # waiting for the previous stage is idle time
+            busy_s += time.monotonic() - began
             shape = (len(inputs.input_ids), model.config.hidden_size)
             x = comm.recv(torch.empty(shape, dtype=runner.dtype, device=runner.device), rank - 1)
-        began = time.monotonic()
+            began = time.monotonic()
         try:
             x = stage_forward(model, inputs, x, runner.kv_caches)
             if last:

@@ -17,6 +17,7 @@ import os
 import pickle
 import queue
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -108,7 +109,9 @@ class Worker:
             model = shard_model(model, rank, self.comm, parallel.enable_expert_parallel)
             del loaded
         else:
-            model = make_stage(model, rank, parallel.pipeline_parallel_size)
+            model = make_stage(
+                model, rank, parallel.pipeline_parallel_size, parallel.pipeline_layer_partition
+            )
         self.is_driver = rank == parallel.driver_rank
         generator = torch.Generator(device).manual_seed(spec.seed)
         self.runner = ModelRunner(model, Sampler(generator), spec.num_blocks, spec.block_size)
@@ -162,7 +165,12 @@ class Worker:
         if not rows:
             return {}
         self._rewind_streams(plan.step, [seq.request_id for seqs in rows for seq in seqs])
-        return runner.sample(logits, rows)
+        sampled = runner.sample(logits, rows)
+        if timing is not None:  # the last stage's step ends once it has sampled (its own work)
+            now = time.monotonic()
+            timing.busy_s += now - timing.end_s
+            timing.end_s = now  # the step's record holds this timing
+        return sampled
 
     def _rewind_streams(self, step: int, seq_ids: list[str]) -> None:
         """Before the driver samples for `step`: the first time, note where the sequences'

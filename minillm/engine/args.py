@@ -104,6 +104,10 @@ class EngineArgs:
     # keeps pipeline_parallel_size): a step's batch is one micro-batch, and the first stage
     # takes the next batch while later stages finish the earlier ones (LLMEngine.step)
     pipeline_batches_in_flight: int | None = None
+    # layers per stage, first to last, as "4,2" or (4, 2) (vLLM's VLLM_PP_LAYER_PARTITION):
+    # a last stage that also computes the logits and samples can hold fewer; None: equal
+    # shares, the first stages one more
+    pipeline_layer_partition: str | tuple[int, ...] | None = None
     # a mixture-of-experts model's experts spread whole over the tensor-parallel ranks, tokens
     # sent to them with all-to-all (vLLM's option; minillm.distributed.expert_parallel)
     enable_expert_parallel: bool = False
@@ -182,6 +186,11 @@ class EngineArgs:
             raise ValueError(
                 "quantization_method and quantization_group_size apply only with quantization"
             )
+        self.pipeline_layer_partition = _parse_partition(self.pipeline_layer_partition)
+        if self.pipeline_layer_partition is not None and self.pipeline_parallel_size == 1:
+            raise ValueError(
+                "pipeline_layer_partition applies only with pipeline_parallel_size > 1"
+            )
         self.parallel_config().check_options(max_world_size(self.device_type()), self.device_type())
         if self.pipeline_micro_batches is not None:
             _check_int("pipeline_micro_batches", self.pipeline_micro_batches, minimum=1)
@@ -251,7 +260,10 @@ class EngineArgs:
 
     def parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
-            self.tensor_parallel_size, self.pipeline_parallel_size, self.enable_expert_parallel
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.enable_expert_parallel,
+            self.pipeline_layer_partition,
         )
 
     def device_type(self) -> str:
@@ -426,3 +438,17 @@ def _check_async_scheduling(args: EngineArgs) -> None:
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _parse_partition(partition: object) -> object:
+    """pipeline_layer_partition as a tuple: "4,2" (vLLM's environment variable's form) or a
+    list become (4, 2); anything else is left for ParallelConfig to judge."""
+    if isinstance(partition, str):
+        try:
+            return tuple(int(part) for part in partition.split(","))
+        except ValueError:
+            raise ValueError(
+                "pipeline_layer_partition must be layers per stage separated by commas, as "
+                f'"4,2", got {partition!r}'
+            ) from None
+    return tuple(partition) if isinstance(partition, list) else partition

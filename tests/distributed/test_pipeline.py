@@ -19,6 +19,7 @@ from minillm.distributed.pipeline import (
     run_bubble,
     split_micro_batches,
     stage_layers,
+    uneven_bubble_fraction,
 )
 
 
@@ -30,6 +31,29 @@ def test_stages_hold_consecutive_layers_in_equal_shares(num_layers, num_stages):
     )
     sizes = [end - start for start, end in ranges]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=8), st.data())
+def test_a_layer_partition_gives_each_stage_its_count_in_order(partition, data):
+    num_layers, num_stages = sum(partition), len(partition)
+    ranges = [stage_layers(num_layers, s, num_stages, tuple(partition)) for s in range(num_stages)]
+    assert [end - start for start, end in ranges] == partition
+    assert [layer for start, end in ranges for layer in range(start, end)] == list(
+        range(num_layers)
+    )
+    stage = data.draw(st.integers(0, num_stages - 1))
+    assert stage_layers(num_layers, stage, num_stages, tuple(partition)) == ranges[stage]
+
+
+def test_layer_partition_by_hand():
+    # vLLM's VLLM_PP_LAYER_PARTITION="4,6,6,4" over 20 layers
+    assert [stage_layers(20, s, 4, (4, 6, 6, 4)) for s in range(4)] == [
+        (0, 4),
+        (4, 10),
+        (10, 16),
+        (16, 20),
+    ]
+    assert [stage_layers(6, s, 2, (4, 2)) for s in range(2)] == [(0, 4), (4, 6)]
 
 
 @dataclass
@@ -97,6 +121,39 @@ def test_stages_record_micro_batches_and_the_hidden_states_they_pass(pp_engine):
     assert any(record.timing.num_micro_batches == 2 for record in first)
 
 
+def test_busy_holds_a_stages_inputs_and_the_last_stages_sampling(monkeypatch):
+    """A stage's busy time is its own work: preparing each micro-batch's inputs, and on the
+    last stage sampling the tokens. Slowed here by known waits (forked ranks inherit them),
+    both show in it: lower bounds, a sleep never ends early."""
+    import time
+
+    from minillm.distributed import pipeline
+    from minillm.worker.model_runner import ModelRunner
+
+    prepare, sample = pipeline.prepare_inputs, ModelRunner.sample
+
+    def slow_prepare(*args):
+        time.sleep(0.05)
+        return prepare(*args)
+
+    def slow_sample(self, *args):
+        time.sleep(0.1)
+        return sample(self, *args)
+
+    monkeypatch.setattr(pipeline, "prepare_inputs", slow_prepare)
+    monkeypatch.setattr(ModelRunner, "sample", slow_sample)
+    with LLM(dtype="float32", pipeline_parallel_size=2, pipeline_micro_batches=2) as llm:
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        first, last = llm.engine.pipeline_stats()
+    assert first and len(first) == len(last)
+    for sent, sampled in zip(first, last, strict=True):
+        m = sent.timing.num_micro_batches
+        assert sent.timing.busy_s >= 0.05 * m
+        assert sampled.timing.busy_s >= 0.05 * m + 0.1
+        # and the step ends after the sampling: busy within the step's span
+        assert sampled.timing.end_s - sampled.timing.start_s >= sampled.timing.busy_s
+
+
 def test_run_bubble_of_batches_in_flight():
     # two stages, three batches of 1 s each kept in flight: stage 0 works in [0, 3], stage 1
     # in [1, 4]; the pipeline fills and drains once: (p - 1) / (n + p - 1) = 1/4
@@ -130,6 +187,18 @@ def test_the_bubble_splits_into_fill_waits_and_gaps_between_steps():
         {"fill_and_drain": 1 / 7, "within_steps": 1 / 7, "between_steps": 1 / 7}
     )
     assert sum(parts.values()) == pytest.approx(run_bubble([first, last])) == 3 / 7
+    # the last stage's layers take 1 s and its sampling 0.25 s more: the sampling is its own
+    # work, so its steps last 1.25 s busy (not 1 s busy and a 0.25 s gap between steps)
+    first = [StageTiming(1, 1.0, float(k), float(k + 1)) for k in range(3)]
+    last = [StageTiming(1, 1.25, 0.0, 2.25), StageTiming(1, 1.25, 2.25, 3.5)]
+    last.append(StageTiming(1, 1.25, 3.5, 4.75))
+    parts = bubble_parts([first, last])
+    # span 4.75 s x 2 stages; stage 0 ends 1.75 s early, stage 1 waits 1 s for its first batch
+    assert parts == pytest.approx(
+        {"fill_and_drain": 1.75 / 9.5, "within_steps": 1 / 9.5, "between_steps": 0.0}
+    )
+    # which is the schedule of stages of unequal time: 1 - n sum(t) / (p (sum(t) + (n-1) max))
+    assert run_bubble([first, last]) == pytest.approx(uneven_bubble_fraction([1.0, 1.25], 3))
 
 
 @pytest.mark.parametrize(
@@ -181,6 +250,64 @@ def test_batches_in_flight_hold_other_requests(monkeypatch):
     assert (2, 2) in depths  # a second batch of two requests beside the first
 
 
+@pytest.mark.parametrize("partition", ["4,2", (4, 2), [4, 2]])
+def test_a_layer_partition_enters_as_a_tuple(partition):
+    from minillm.engine.args import EngineArgs
+
+    args = EngineArgs(device="cpu", pipeline_parallel_size=2, pipeline_layer_partition=partition)
+    assert args.pipeline_layer_partition == (4, 2)
+    assert args.parallel_config().pipeline_layer_partition == (4, 2)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(pipeline_layer_partition="3,3"), "only with pipeline_parallel_size > 1"),
+        (dict(pipeline_parallel_size=2, pipeline_layer_partition="4,2,1"), "names 3 stages"),
+        (dict(pipeline_parallel_size=2, pipeline_layer_partition=(6,)), "names 1 stages"),
+        (dict(pipeline_parallel_size=2, pipeline_layer_partition="4,0"), "ints >= 1"),
+        (dict(pipeline_parallel_size=2, pipeline_layer_partition="5,-1"), "ints >= 1"),
+        (dict(pipeline_parallel_size=2, pipeline_layer_partition=(4.0, 2)), "ints >= 1"),
+        (dict(pipeline_parallel_size=2, pipeline_layer_partition=(True, 5)), "ints >= 1"),
+        (dict(pipeline_parallel_size=2, pipeline_layer_partition="4;2"), "separated by commas"),
+        (dict(pipeline_parallel_size=2, pipeline_layer_partition="four,two"), "by commas"),
+        (dict(pipeline_parallel_size=2, pipeline_layer_partition=4), "ints >= 1"),
+    ],
+)
+def test_bad_layer_partitions(options, message):
+    from minillm.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(device="cpu", **options)
+
+
+@pytest.mark.parametrize("partition", ["4,1", "4,3"])
+def test_a_layer_partition_must_hold_the_models_layers(partition):
+    # the bundled model has 6 layers; the engine refuses before any process starts
+    with pytest.raises(ValueError, match=f"holds {sum(map(int, partition.split(',')))} layers; "):
+        LLM(dtype="float32", pipeline_parallel_size=2, pipeline_layer_partition=partition)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(pipeline_micro_batches=2), dict(pipeline_batches_in_flight=3)],
+    ids=["drained", "in_flight_3"],
+)
+@pytest.mark.parametrize("partition", ["5,1", "1,5"])
+def test_an_uneven_split_matches_one_process(options, partition, reference_outputs):
+    with LLM(
+        dtype="float32",
+        pipeline_parallel_size=2,
+        pipeline_layer_partition=partition,
+        max_num_batched_tokens=32,
+        **options,
+    ) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == reference_outputs
+        first, last = llm.engine.pipeline_stats()
+        assert first and last  # both stages ran every step
+
+
 def test_bad_batches_in_flight_options():
     from minillm.engine.args import EngineArgs
 
@@ -201,3 +328,44 @@ def test_bubble_formula_against_a_slot_by_slot_schedule(num_stages, num_items):
     busy = [[s <= slot < s + num_items for slot in range(num_slots)] for s in range(num_stages)]
     idle = sum(not cell for row in busy for cell in row) / (num_stages * num_slots)
     assert bubble_fraction(num_stages, num_items) == pytest.approx(idle)
+
+
+def simulate_stages(stage_seconds: list[float], num_items: int) -> tuple[float, float]:
+    """Event by event: item j starts on stage s once stage s has finished item j - 1 and
+    stage s - 1 has finished item j (hidden states wait between stages). Returns the
+    schedule's idle share, and its span."""
+    done = [[0.0] * num_items for _ in stage_seconds]
+    for s, t in enumerate(stage_seconds):
+        for j in range(num_items):
+            ready = max(done[s][j - 1] if j else 0.0, done[s - 1][j] if s else 0.0)
+            done[s][j] = ready + t
+    span = done[-1][-1]
+    busy = num_items * sum(stage_seconds)
+    return 1.0 - busy / (len(stage_seconds) * span), span
+
+
+def test_uneven_bubble_formula_by_hand():
+    # stage 0 takes 1 s per batch, stage 1 2 s; three batches: stage 0 works in [0, 3],
+    # stage 1 in [1, 7]; busy 9 s of 2 x 7
+    assert uneven_bubble_fraction([1.0, 2.0], 3) == pytest.approx(1 - 9 / 14)
+    assert simulate_stages([1.0, 2.0], 3) == pytest.approx((1 - 9 / 14, 7.0))
+    # the slow stage first: stage 0 in [0, 6], stage 1 at 2-3, 4-5, 6-7
+    assert uneven_bubble_fraction([2.0, 1.0], 3) == pytest.approx(1 - 9 / 14)
+    # equal stages: GPipe's (p - 1) / (n + p - 1)
+    assert uneven_bubble_fraction([1.0, 1.0, 1.0], 4) == pytest.approx(2 / 6)
+
+
+@given(
+    st.lists(st.floats(0.01, 10.0), min_size=1, max_size=6),
+    st.integers(1, 64),
+)
+def test_uneven_bubble_formula_against_an_event_simulation(stage_seconds, num_items):
+    idle, _ = simulate_stages(stage_seconds, num_items)
+    assert uneven_bubble_fraction(stage_seconds, num_items) == pytest.approx(idle, abs=1e-9)
+
+
+@given(st.integers(1, 8), st.integers(1, 64), st.floats(0.01, 10.0))
+def test_uneven_bubble_formula_of_equal_stages_is_gpipes(num_stages, num_items, seconds):
+    assert uneven_bubble_fraction([seconds] * num_stages, num_items) == pytest.approx(
+        bubble_fraction(num_stages, num_items)
+    )
