@@ -239,8 +239,8 @@ def python_overhead_share(engine, prompts: list[list[int]], repeats: int = 9) ->
     """The share of a decode step of len(prompts) sequences spent outside every aten operator:
     step wall time (unprofiled) less the operators' self time (the next step, profiled),
     median over `repeats` pairs (one pair against the next swings by several points on a
-    shared machine, so the median is over nine by default). The requests ask for their final output only, as
-    `LLM.generate` asks, and are aborted afterwards."""
+    shared machine, so the median is over nine by default). The requests ask for their final
+    output only, as `LLM.generate` asks, and are aborted afterwards."""
     from minillm.lab.step_profile import profile_step
     from minillm.sampling_params import RequestOutputKind, SamplingParams
 

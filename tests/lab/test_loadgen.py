@@ -89,7 +89,9 @@ def test_open_loop_counts_the_wait_of_a_late_send(double):
 
 
 def test_closed_loop_keeps_concurrency_in_flight(double):
-    double.reset(first_token_delay_s=0.05)
+    # each request holds its slot long enough that, even on a loaded machine, the second
+    # client's first request starts before the first client's ends
+    double.reset(first_token_delay_s=0.25)
     result = loadgen.run(target(double), loadgen.fixed_sessions(6, 3, 2, seed=0), concurrency=2)
     assert double.state.max_in_flight == 2
     assert result.mode == "closed" and len(result.records) == 6
