@@ -42,15 +42,17 @@ def write_tokenizer(out: pathlib.Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def build_tiny_llama(out: pathlib.Path, seed: int = 0, max_position_embeddings: int = 256):
-    """Write a random 2-layer GQA Llama (hidden 32) and its tokenizer to `out`."""
+def build_tiny_llama(
+    out: pathlib.Path, seed: int = 0, max_position_embeddings: int = 256, num_hidden_layers: int = 2
+):
+    """Write a random GQA Llama (hidden 32, 2 layers unless told) and its tokenizer to `out`."""
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings,

@@ -48,7 +48,9 @@ CONFIGS = {
     "lora_tiny": {**TINY, "enable_lora": True, "max_loras": 1, "max_lora_rank": 8},
 }
 # two pipeline stages in two worker processes: each step's batch cut into two micro-batches
-# and drained, or two batches in flight across steps
+# and drained, or two batches in flight across steps; the last with its layers split
+# unevenly (two and one: the pipelined scenarios run a model of three layers, `NUM_LAYERS`)
+NUM_LAYERS = 3
 PIPELINED = {
     "pp_drained_tiny": {**TINY, "pipeline_parallel_size": 2, "pipeline_micro_batches": 2},
     "pp_in_flight": {"pipeline_parallel_size": 2, "pipeline_batches_in_flight": 2},
@@ -57,6 +59,12 @@ PIPELINED = {
         "prefix_caching_algo": "radix",
         "pipeline_parallel_size": 2,
         "pipeline_batches_in_flight": 2,
+    },
+    "pp_uneven_in_flight_tiny": {
+        **TINY,
+        "pipeline_parallel_size": 2,
+        "pipeline_batches_in_flight": 2,
+        "pipeline_layer_partition": "2,1",
     },
 }
 ALL_CONFIGS = {**CONFIGS, **PIPELINED}

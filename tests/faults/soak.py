@@ -3,7 +3,8 @@
 
 Each scenario is `scenarios.run_scenario(seed, ...)` with the next seed, so any failure it
 prints can be replayed alone with `--seed S --count 1`. Exits 1 when any scenario found a
-problem. The model is the tests' tiny random Llama, built into a temporary directory.
+problem. The model is the tests' tiny random Llama (three layers, so that a pipelined
+configuration can split them unevenly), built into a temporary directory.
 
 With `--http`, the soak runs over HTTP instead: `--clients` concurrent streaming clients
 against a `minillm serve` process of the bundled model, checks every `--check-every`
@@ -25,7 +26,7 @@ import time
 import torch
 
 from tests.engine.tiny_llama import build_tiny_llama
-from tests.faults.scenarios import ALL_CONFIGS, make_env, run_scenario
+from tests.faults.scenarios import ALL_CONFIGS, NUM_LAYERS, make_env, run_scenario
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
-        env = make_env(build_tiny_llama(root / "model"), root)
+        env = make_env(build_tiny_llama(root / "model", num_hidden_layers=NUM_LAYERS), root)
         deadline = time.monotonic() + 60 * args.minutes
         runs: collections.Counter[str] = collections.Counter()
         failures: list[str] = []

@@ -20,6 +20,7 @@ from tests.engine.tiny_llama import build_tiny_llama
 from tests.faults.invariants import assert_healthy, run_all
 from tests.faults.scenarios import (
     BASE,
+    NUM_LAYERS,
     PIPELINED,
     PROBE_PARAMS,
     PROBE_PROMPT,
@@ -38,7 +39,8 @@ REQUESTS = {
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    return make_env(build_tiny_llama(tmp_path_factory.mktemp("pipeline_faults") / "model"))
+    root = tmp_path_factory.mktemp("pipeline_faults")
+    return make_env(build_tiny_llama(root / "model", num_hidden_layers=NUM_LAYERS))
 
 
 @pytest.fixture
@@ -255,6 +257,7 @@ PIPELINED_SEEDS = {
     "pp_drained_tiny": (1, 3),
     "pp_in_flight": (6, 11),
     "pp_in_flight_radix_tiny": (3, 10),
+    "pp_uneven_in_flight_tiny": (5, 17),
 }
 
 
