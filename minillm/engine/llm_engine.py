@@ -490,6 +490,12 @@ class LLMEngine:
         for seq in progressed:
             if seq.is_finished:
                 self.structured_output_manager.free(seq.request_id)
+        for scheduled in plan.scheduled:
+            # aborted while this plan's forward ran: the sampler may have made its matcher
+            # again after the abort freed it
+            for seq in (scheduled.request, *scheduled.forks):
+                if seq.is_finished and seq.sampling_params.structured_outputs is not None:
+                    self.structured_output_manager.free(seq.request_id)
         outputs = self.output_processor.make_outputs(progressed)
         # processed whole: nothing of it will be put back (an interruption before here leaves
         # these for _rewind_generators)
@@ -764,6 +770,11 @@ class LLMEngine:
         # attempt may have raised before making them, and making them again is harmless
         copies = plan.block_copies
         for scheduled in plan.scheduled:
+            if all(seq.is_finished for seq in (scheduled.request, *scheduled.forks)):
+                # finished meanwhile (aborted while its batch was in flight): nobody takes its
+                # tokens, and the worker ranks have dropped its random streams (the copies
+                # go with the next run)
+                continue
             if generators is not None:
                 self.model_runner.restore_generators(
                     {seq.request_id: generators[seq.request_id] for seq in scheduled.sampling_seqs}

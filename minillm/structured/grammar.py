@@ -357,10 +357,16 @@ class StructuredOutputManager:
         stop_ids,
     ) -> GrammarMatcher | CFGMatcher:
         """The request's matcher, advanced over any output tokens it has not seen (sampled or
-        jumped over since the last step)."""
+        jumped over since the last step). One kept for an earlier request of the same id (ids
+        may be used again at once), of another grammar or further along, is made anew."""
         matcher = self.matchers.get(request_id)
-        if matcher is None or matcher.num_tokens > len(output_token_ids):
-            matcher = self.grammar(pattern).new_matcher()
+        grammar = self.grammar(pattern)
+        if (
+            matcher is None
+            or matcher.grammar is not grammar
+            or matcher.num_tokens > len(output_token_ids)
+        ):
+            matcher = grammar.new_matcher()
             self.matchers[request_id] = matcher
         for token_id in output_token_ids[matcher.num_tokens :]:
             matcher.accept_token(token_id, stop_ids)

@@ -8,6 +8,7 @@ plain causal forward (`greedy_reference`), which shares none of the engine's cod
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 from tiny_llama import build_tiny_llama, greedy_reference
@@ -216,6 +217,45 @@ def test_abort_between_steps_frees_the_request(model_dir):
                 results[output.request_id] = output.outputs[0].finish_reason
     assert results == {"a": "abort", "b": "length"}
     assert engine.kv_cache_manager.req_to_blocks == {}
+    engine.shutdown()
+
+
+def test_abort_while_a_grammar_request_is_in_the_forward_leaves_no_matcher(model_dir):
+    """The abort frees the request's grammar matcher while the next forward, planned before
+    it, still samples the request and makes the matcher again; processing that forward frees
+    it for good."""
+    from minillm.sampling_params import StructuredOutputsParams
+
+    def samples_a_in_flight() -> bool:
+        if engine._in_flight is None:
+            return False
+        plan, _ = engine._in_flight
+        return any(seq.request_id == "a" for s in plan.scheduled for seq in s.sampling_seqs)
+
+    # a prompt of three chunks: the plan of its last, the first to sample, is made ahead
+    engine = make_engine(model_dir, True, max_num_batched_tokens=16)
+    structured = StructuredOutputsParams(regex="[0-9]{4,8}")
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=structured)
+    engine.add_request("a", list(range(3, 43)), params)
+    engine.add_request("b", [6, 7, 8], GREEDY)
+    # the forward that samples "a" first waits until the abort has happened
+    aborted, execute = threading.Event(), engine.runner.execute_model
+
+    def execute_after_the_abort(plan):
+        if any(seq.request_id == "a" for s in plan.scheduled for seq in s.sampling_seqs):
+            assert aborted.wait(timeout=30)
+        return execute(plan)
+
+    engine.runner.execute_model = execute_after_the_abort
+    while not samples_a_in_flight():
+        engine.step()
+    engine.abort_request("a")
+    aborted.set()
+    finished = set()
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {"a", "b"}
+    assert engine.structured_output_manager.matchers == {}
     engine.shutdown()
 
 

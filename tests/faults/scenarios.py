@@ -165,8 +165,9 @@ class _Armed:
 class _StageFaults:
     """The first pipeline stage's forward as the pipelined scenarios attack it: it refuses
     every micro-batch that holds the request `refused` (a persistent per-request fault), and,
-    with `at`, fails its `at`-th forward once (a one-off fault; counted in the first stage's
-    process, so a request rerun alone after it never meets it)."""
+    with `at`, fails its `at`-th forward of two or more requests once (a one-off fault of the
+    batch, counted in the first stage's process: a request rerun alone never meets it, as it
+    would be that request's own fault)."""
 
     def __init__(self, at: int | None, refused: str | None = None) -> None:
         self.at, self.refused = at, refused
@@ -182,10 +183,10 @@ class _StageFaults:
 
         def faulty(model, inputs, x, kv_caches):
             if x is None:  # the first stage: it embeds the input ids
-                calls[0] += 1
                 if self.refused in batch_ids[0]:
                     raise RuntimeError("the device refused this request")
-                if calls[0] == self.at:
+                calls[0] += len(batch_ids[0]) >= 2
+                if calls[0] == self.at and len(batch_ids[0]) >= 2:
                     raise RuntimeError("a transient fault")
             return forward(model, inputs, x, kv_caches)
 

@@ -57,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         seed = first
         while time.monotonic() < deadline and (args.count is None or seed - first < args.count):
             config = random.Random(seed).choice(sorted(ALL_CONFIGS))
-            problems = run_scenario(seed, env, config)
+            try:
+                problems = run_scenario(seed, env, config)
+            except Exception as error:  # noqa: BLE001 - a scenario that raised is a problem too
+                head = str(error).splitlines()[0] if str(error) else ""
+                problems = [f"seed {seed} ({config}): raised {type(error).__name__}: {head}"]
             runs[config] += 1
             for problem in problems:
                 print("FAIL", problem, flush=True)

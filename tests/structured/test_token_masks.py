@@ -110,3 +110,18 @@ def test_the_grammar_cache_keeps_the_most_recently_used(manager, monkeypatch):
     manager.grammar("d")  # drops "b", the least recently used
     assert list(manager.grammars) == ["c", "a", "d"]
     assert manager.grammar("a") is first
+
+
+def test_an_id_used_again_with_another_grammar_gets_that_grammars_matcher(tokenizer, manager):
+    # a matcher left under "r" by an earlier request (of no tokens yet) must not serve a new
+    # request "r" of another pattern: its mask would be the old pattern's
+    eos = tokenizer.eos_token_id
+    manager.allowed_mask("r", "[0-9]{4}", [], [eos])
+    mask = manager.allowed_mask("r", "(?:yes|no)", [], [eos])
+    vocab = token_bytes(tokenizer, tokenizer.vocab_size)
+    expected = {
+        t
+        for t, data in enumerate(vocab)
+        if data and (b"yes".startswith(data) or b"no".startswith(data))
+    }
+    assert set(mask.nonzero().flatten().tolist()) == expected
