@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import pickle
+import signal
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -342,6 +344,9 @@ class MultiprocExecutor:
         """Which ranks did not answer in time, and which of them are waiting on the others."""
         waiting = [rank for rank in late if self.wait_flags[rank]]
         stalled = [rank for rank in late if not self.wait_flags[rank]]
+        for rank in stalled:  # each prints the Python stack of its threads on its stderr
+            if hasattr(signal, "SIGUSR1"):
+                self._signal(rank, signal.SIGUSR1)
         limit = f"within {self.step_timeout_s:g} s"
         if not stalled:
             return f"ranks {late} did not finish the step {limit}, each waiting in a collective"
@@ -350,6 +355,16 @@ class MultiprocExecutor:
         if waiting:
             report += f" (ranks {waiting} wait for it in a collective)"
         return report
+
+    def _signal(self, rank: int, signum: int) -> None:
+        """Send a live rank a signal (a rank already gone is left alone); give it a moment."""
+        pid = self.processes[rank].pid
+        if pid is not None and self.processes[rank].exitcode is None:
+            try:
+                os.kill(pid, signum)
+                time.sleep(0.5)
+            except ProcessLookupError:
+                pass
 
     def _receive(self, rank: int, timeout_s: float | None):
         """The answer of `rank`, while watching every process: a rank that reports an error

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import faulthandler
 import os
 import pickle
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -233,6 +235,10 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection, wait_flags=None) 
     """The body of a worker process: build the rank's Worker, then serve commands. Every
     command is answered, a step too (None from a rank that samples nothing), so the engine
     knows which rank finished; `wait_flags` is shared with the engine (`in_collective`)."""
+    # a stalled rank: the engine asks for every thread's Python stack (SIGUSR1) before it
+    # stops the ranks, so that the report says where it stood
+    if hasattr(signal, "SIGUSR1"):  # not on Windows
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         if wait_flags is not None:
             set_wait_flags(wait_flags, rank)

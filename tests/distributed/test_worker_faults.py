@@ -116,6 +116,31 @@ def test_a_stalled_prefill_rank_is_named_not_waited_for(tmp_path):
     _stop_and_expect_named(llm, 0, None)
 
 
+def test_a_stalled_rank_prints_where_it_stands(tmp_path, monkeypatch, capfd):
+    """A rank that hangs without waiting for the others (here: a step that never returns)
+    prints the Python stack of its threads before the engine stops it."""
+    import time
+
+    from minillm.distributed.worker import Worker
+
+    model = save_checkpoint(build_hf_model("llama", hidden_size=32), tmp_path / "llama")
+    execute = Worker.execute_model
+
+    def hang_in_rank_one(self, plan):
+        if self.rank == 1 and plan.step >= 2:
+            time.sleep(600)
+        return execute(self, plan)
+
+    monkeypatch.setattr(Worker, "execute_model", hang_in_rank_one)  # the forked ranks too
+    llm = LLM(model, pipeline_parallel_size=2)
+    llm.engine.executor.step_timeout_s = 2.0
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with pytest.raises(WorkerError, match="rank 1 did not finish the step within 2 s"):
+        llm.generate(["w3 w4"], params, use_tqdm=False)
+    assert "in hang_in_rank_one" in capfd.readouterr().err
+    llm.shutdown()
+
+
 def test_cpu_ranks_fork_and_gpu_ranks_spawn(monkeypatch):
     from minillm.distributed import executor
 
