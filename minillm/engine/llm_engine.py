@@ -54,6 +54,18 @@ from minillm.spec.spec_runner import SpecDecodingStats
 from minillm.structured.grammar import StructuredOutputManager
 
 
+def match_torch_threads() -> None:
+    """In a thread that runs the model: compute with the process's torch thread count.
+
+    OpenMP keeps its thread count per thread, and a new thread starts at the machine's core
+    count whatever `torch.set_num_threads` said in the main thread, so its first matrix
+    product starts a team of OpenMP threads. A process that then forks worker processes
+    (`MultiprocExecutor`) hands them that thread library's state without those threads, and
+    a forked rank was seen to hang in a matrix product. Setting the count in the
+    thread itself keeps it at the process's."""
+    torch.set_num_threads(torch.get_num_threads())
+
+
 class LLMEngine:
     """Continuous-batching inference over one model: add_request, then step until done."""
 
@@ -149,7 +161,7 @@ class LLMEngine:
         self._arrived: list[tuple[str, SampledToken | None]] = []
         if self.async_scheduling:
             self._forward_thread = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="minillm-forward"
+                max_workers=1, thread_name_prefix="minillm-forward", initializer=match_torch_threads
             )
         if self.device.type == "cuda":
             print(

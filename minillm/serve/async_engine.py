@@ -24,7 +24,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from minillm.engine.llm_engine import LLMEngine, Prompt
+from minillm.engine.llm_engine import LLMEngine, Prompt, match_torch_threads
 from minillm.lora.request import LoRARequest
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
@@ -175,6 +175,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the engine thread
 
     def _run(self) -> None:
+        match_torch_threads()
         try:
             while not self._stopped:
                 idle = not self.engine.has_unfinished_requests()
