@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -53,17 +55,31 @@ from minillm.sampling_params import SamplingParams
 from minillm.spec.spec_runner import SpecDecodingStats
 from minillm.structured.grammar import StructuredOutputManager
 
+FORWARD_THREAD = "minillm-forward"  # the name of async scheduling's forward thread
+
 
 def match_torch_threads() -> None:
     """In a thread that runs the model: compute with the process's torch thread count.
 
     OpenMP keeps its thread count per thread, and a new thread starts at the machine's core
-    count whatever `torch.set_num_threads` said in the main thread, so its first matrix
-    product starts a team of OpenMP threads. A process that then forks worker processes
-    (`MultiprocExecutor`) hands them that thread library's state without those threads, and
-    a forked rank was seen to hang in a matrix product. Setting the count in the
-    thread itself keeps it at the process's."""
+    count whatever `torch.set_num_threads` said in the main thread: a 512 x 512 matrix
+    product in a new thread of a process set to one thread started a second OpenMP thread.
+    Setting the count in the thread itself keeps it at the process's."""
     torch.set_num_threads(torch.get_num_threads())
+
+
+def stop_forward_thread(pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    """An async engine collected without `shutdown()`: stop its forward thread and wait until
+    it has ended (unless this is that thread, collecting its own engine).
+
+    Left to end on its own, the thread would exit while the process goes on, releasing the
+    per-thread buffers of MKL (the matrix library) as it goes. Ranks forked meanwhile
+    (`MultiprocExecutor`) were seen spinning in MKL's buffer allocation
+    (`mkl_serv_allocate`, under gdb) in a matrix product, until the step timed out: a fork
+    copies memory, not the threads, so a lock held by the ending thread stays held in the
+    child. Waiting for the thread here ends it before anything else runs."""
+    in_pool = threading.current_thread().name.startswith(FORWARD_THREAD)
+    pool.shutdown(wait=not in_pool)
 
 
 class LLMEngine:
@@ -161,8 +177,9 @@ class LLMEngine:
         self._arrived: list[tuple[str, SampledToken | None]] = []
         if self.async_scheduling:
             self._forward_thread = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="minillm-forward", initializer=match_torch_threads
+                max_workers=1, thread_name_prefix=FORWARD_THREAD, initializer=match_torch_threads
             )
+            weakref.finalize(self, stop_forward_thread, self._forward_thread)
         if self.device.type == "cuda":
             print(
                 f"minillm: KV cache of {pool.num_blocks:,} blocks x {args.block_size} tokens "

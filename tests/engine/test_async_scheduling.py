@@ -338,3 +338,24 @@ def test_overlap_bench_times_every_part_and_compares_equal_outputs(model_dir):
     assert summary["speedup_sync_over_async"] == pytest.approx(
         summary["sync"]["median_s"] / summary["async"]["median_s"]
     )
+
+
+def test_an_engine_collected_without_shutdown_has_ended_its_forward_thread(model_dir, monkeypatch):
+    """Its thread must not end later, on its own, while the process may be forking worker
+    processes: collecting the engine stops the thread and waits for it."""
+    import gc
+
+    from minillm.engine import llm_engine
+
+    stopped, stop_forward_thread = [], llm_engine.stop_forward_thread
+
+    def stop(pool):
+        stop_forward_thread(pool)
+        stopped.append([thread.is_alive() for thread in pool._threads])
+
+    monkeypatch.setattr(llm_engine, "stop_forward_thread", stop)
+    engine = make_engine(model_dir, True)
+    run(engine, PROMPTS[:2], GREEDY)
+    del engine
+    gc.collect()
+    assert stopped == [[False]]  # the one thread, ended when the engine went
