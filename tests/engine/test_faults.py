@@ -175,6 +175,31 @@ def test_a_step_that_fails_on_one_request_aborts_it_and_serves_the_others(model_
     assert pool_is_empty(engine)
 
 
+def test_a_batch_rerun_request_by_request_skips_the_requests_aborted_meanwhile(model_dir, solo):
+    # with pipeline batches in flight, a request can be aborted after its batch was handed
+    # to the ranks and before that batch's fault is known; the worker ranks drop its random
+    # streams with the next batch, so its rerun must not sample (nobody takes its token)
+    engine = make_engine(model_dir)
+    for name in ("a", "b"):
+        engine.add_request(name, PROMPTS[0], GREEDY)
+    plan = engine.scheduler.schedule()
+    engine.abort_request("a")
+    ran, execute = [], engine.runner.execute_model
+
+    def execute_and_note(alone):
+        ran.append([s.request.request_id for s in alone.scheduled])
+        return execute(alone)
+
+    engine.runner.execute_model = execute_and_note
+    sampled, failed = engine._run_one_by_one(plan, None)
+    assert ran == [["b"]] and set(sampled) == {"b"} and failed == []
+    engine.scheduler.update_from_output(plan, sampled)
+    engine.runner.execute_model = execute
+    outputs = drain(engine)
+    assert (tuple(outputs["b"].outputs[0].token_ids),) == solo(tuple(PROMPTS[0]), GREEDY)
+    assert pool_is_empty(engine)
+
+
 def test_a_failure_while_detokenizing_loses_no_result_finished_in_the_same_step(model_dir):
     engine = make_engine(model_dir)
     decode = type(engine.tokenizer).decode
