@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -68,18 +68,38 @@ def match_torch_threads() -> None:
     torch.set_num_threads(torch.get_num_threads())
 
 
-def stop_forward_thread(pool: concurrent.futures.ThreadPoolExecutor) -> None:
-    """An async engine collected without `shutdown()`: stop its forward thread and wait until
-    it has ended (unless this is that thread, collecting its own engine).
+_forward_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_forward_pool_lock = threading.Lock()
 
-    Left to end on its own, the thread would exit while the process goes on, releasing the
-    per-thread buffers of MKL (the matrix library) as it goes. Ranks forked meanwhile
-    (`MultiprocExecutor`) were seen spinning in MKL's buffer allocation
-    (`mkl_serv_allocate`, under gdb) in a matrix product, until the step timed out: a fork
-    copies memory, not the threads, so a lock held by the ending thread stays held in the
-    child. Waiting for the thread here ends it before anything else runs."""
-    in_pool = threading.current_thread().name.startswith(FORWARD_THREAD)
-    pool.shutdown(wait=not in_pool)
+
+def forward_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's one forward thread for async scheduling: shared by every engine, run in
+    the order engines hand it their plans (each engine's in its own order), and never ended
+    while the process runs.
+
+    A thread that has multiplied matrices releases the per-thread buffers of MKL (the matrix
+    library) as it ends, after `join()` has returned. Ranks forked meanwhile
+    (`MultiprocExecutor`) were seen spinning in MKL's buffer allocation (`mkl_serv_allocate`,
+    under gdb) in a matrix product until the step timed out: a fork copies memory, not
+    threads, so a lock the ending thread held stays held in the child. A thread that never
+    ends cannot do that."""
+    global _forward_pool
+    with _forward_pool_lock:
+        if _forward_pool is None:
+            _forward_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=FORWARD_THREAD, initializer=match_torch_threads
+            )
+        return _forward_pool
+
+
+def _forget_forward_thread() -> None:
+    """In a forked child: the parent's forward thread was not copied; make a new one."""
+    global _forward_pool, _forward_pool_lock
+    _forward_pool, _forward_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_forward_thread)
 
 
 class LLMEngine:
@@ -162,6 +182,7 @@ class LLMEngine:
         # async scheduling: forwards run in this thread while the engine plans the next step
         self.async_scheduling = args.async_scheduling
         self._forward_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._last_forward: concurrent.futures.Future | None = None  # the newest handed to it
         self._in_flight: tuple[SchedulerOutput, concurrent.futures.Future] | None = None
         # per plan not yet processed (by id): its sampling sequences' token counts when it was
         # made, and their random streams before it ran, to rewind them if it is put back
@@ -176,10 +197,7 @@ class LLMEngine:
         # handed to the scheduler (kept across a step that raises while they are processed)
         self._arrived: list[tuple[str, SampledToken | None]] = []
         if self.async_scheduling:
-            self._forward_thread = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=FORWARD_THREAD, initializer=match_torch_threads
-            )
-            weakref.finalize(self, stop_forward_thread, self._forward_thread)
+            self._forward_thread = forward_thread()
         if self.device.type == "cuda":
             print(
                 f"minillm: KV cache of {pool.num_blocks:,} blocks x {args.block_size} tokens "
@@ -534,7 +552,8 @@ class LLMEngine:
 
     def _start_forward(self, plan: SchedulerOutput) -> concurrent.futures.Future:
         self._note_plan(plan)
-        return self._forward_thread.submit(self._forward_in_order, plan)
+        self._last_forward = self._forward_thread.submit(self._forward_in_order, plan)
+        return self._last_forward
 
     def _note_plan(self, plan: SchedulerOutput) -> None:
         """When a plan is made: each sampling sequence's token count, to tell after an
@@ -683,12 +702,13 @@ class LLMEngine:
                 seq.append_output_token(token_id, None)
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a multi-process engine, or the forward thread of
-        async scheduling (nothing to do otherwise)."""
+        """Stop the worker processes of a multi-process engine, or wait until async
+        scheduling's forward thread (shared, `forward_thread`) has run this engine's last
+        plan (nothing to do otherwise)."""
         if self.executor is not None:
             self.executor.shutdown()
-        if self._forward_thread is not None:
-            self._forward_thread.shutdown(wait=True)
+        if self._last_forward is not None:  # the shared forward thread is done with ours
+            concurrent.futures.wait([self._last_forward])
 
     def spec_decode_stats(self) -> SpecDecodingStats | None:
         """Speculative decoding's counters since the engine started (None without it)."""

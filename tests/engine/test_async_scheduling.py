@@ -340,22 +340,31 @@ def test_overlap_bench_times_every_part_and_compares_equal_outputs(model_dir):
     )
 
 
-def test_an_engine_collected_without_shutdown_has_ended_its_forward_thread(model_dir, monkeypatch):
-    """Its thread must not end later, on its own, while the process may be forking worker
-    processes: collecting the engine stops the thread and waits for it."""
+def test_engines_share_one_forward_thread_that_outlives_them(model_dir):
+    """No forward thread ends while the process runs (one ending while the process forks
+    worker processes left them spinning in MKL): every async engine hands its plans to the
+    same thread, which is still there after each engine has shut down or been collected."""
     import gc
 
-    from minillm.engine import llm_engine
+    def forward_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("minillm-forward")]
 
-    stopped, stop_forward_thread = [], llm_engine.stop_forward_thread
-
-    def stop(pool):
-        stop_forward_thread(pool)
-        stopped.append([thread.is_alive() for thread in pool._threads])
-
-    monkeypatch.setattr(llm_engine, "stop_forward_thread", stop)
-    engine = make_engine(model_dir, True)
-    run(engine, PROMPTS[:2], GREEDY)
-    del engine
+    first = make_engine(model_dir, True)
+    expected = run(make_engine(model_dir, False), PROMPTS[:3], GREEDY)
+    assert run(first, PROMPTS[:3], GREEDY) == expected
+    [thread] = forward_threads()
+    first.shutdown()
+    second = make_engine(model_dir, True)  # two at once, each with its requests in order
+    for i, prompt in enumerate(PROMPTS[:3]):
+        first.add_request(str(i), prompt, GREEDY)
+        second.add_request(str(i), prompt, GREEDY)
+    results = [{}, {}]
+    while first.has_unfinished_requests() or second.has_unfinished_requests():
+        for k, engine in enumerate((first, second)):
+            for output in engine.step():
+                if output.finished:
+                    results[k][output.request_id] = tuple(output.outputs[0].token_ids)
+    assert results[0] == results[1] == {i: expected[i][0][0] for i in expected}
+    del first, second
     gc.collect()
-    assert stopped == [[False]]  # the one thread, ended when the engine went
+    assert forward_threads() == [thread] and thread.is_alive()
