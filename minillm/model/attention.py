@@ -152,8 +152,11 @@ def plan_torch_attention(
     unwritten = padding & (own_position | ~offset_written)
     mask = np.where(padding, np.float32(-np.inf), np.float32(0.0))
 
+    on_host = torch.device(device).type == "cpu"
+
     def tensor(values: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(values)).to(device)
+        host = torch.from_numpy(np.ascontiguousarray(values))
+        return host if on_host else host.to(device)
 
     return TorchAttentionPlan(
         decode_rows=tensor(query_start_loc[decodes].astype(np.int64)),

@@ -110,15 +110,22 @@ class FusedLinear:
         self.views = [(linear.weight, linear.bias) for linear in linears]
         self.data_ptrs = [_data_ptrs(linear) for linear in linears]
 
-    def __call__(self, x: torch.Tensor, unit: int = 1) -> list[torch.Tensor] | None:
+    def __call__(
+        self, x: torch.Tensor, unit: int = 1, sizes: list[int] | None = None
+    ) -> list[torch.Tensor] | None:
         """[..., in_features] -> each layer's output, or None when the layers must run alone.
 
         With `unit` (a head size dividing every output), the outputs come as [..., size / unit,
-        unit]: one view of the GEMM's output, split along the heads."""
+        unit]: one view of the GEMM's output, split along the heads. With `sizes`, adding up
+        to the layers' outputs, the output is cut into those widths instead: adjacent layers'
+        outputs taken together (q and k, rotated by one RoPE call)."""
         if torch.is_grad_enabled():
             return None
-        modules = self.owner._modules  # read directly: nn.Module.__getattr__ costs a lookup chain
-        for name, (weight, bias), ptrs in zip(self.names, self.views, self.data_ptrs, strict=True):
+        # read the modules' dicts directly: nn.Module.__getattr__ costs a lookup chain
+        modules = self.owner._modules
+        for name, (weight, bias), (weight_ptr, bias_ptr) in zip(
+            self.names, self.views, self.data_ptrs, strict=True
+        ):
             linear = modules.get(name)  # the layer there now, maybe replaced
             if (
                 type(linear) is not nn.Linear
@@ -126,17 +133,38 @@ class FusedLinear:
                 or linear._forward_pre_hooks
                 or linear._parameters.get("weight") is not weight
                 or linear._parameters.get("bias") is not bias
-                or _data_ptrs(linear) != ptrs  # `.data` reassigned, or the model moved
+                # `.data` reassigned, or the model moved
+                or weight.data_ptr() != weight_ptr
+                or (bias is not None and bias.data_ptr() != bias_ptr)
             ):
                 return None
         out = F.linear(x, self.weight, self.bias)
+        sizes = self.sizes if sizes is None else sizes
         if unit == 1:
-            return out.split(self.sizes, dim=-1)
-        return out.unflatten(-1, (-1, unit)).split([size // unit for size in self.sizes], dim=-2)
+            return out.split(sizes, dim=-1)
+        return out.unflatten(-1, (-1, unit)).split([size // unit for size in sizes], dim=-2)
 
 
 def _data_ptrs(linear: nn.Linear) -> tuple[int, int]:
     return linear.weight.data_ptr(), 0 if linear.bias is None else linear.bias.data_ptr()
+
+
+class TableRope:
+    """The rotation of one batch's positions, from tables every layer shares (`rope_tables`):
+    called on q and k, or `rotate` on q and k heads side by side in one tensor, which rotates
+    each element as the call would."""
+
+    __slots__ = ("cos", "sin")
+
+    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, signed_sin
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotate(q), self.rotate(k)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., heads, head_dim], its positions those of the tables -> x rotated."""
+        return apply_rope_tables(x, self.cos, self.sin)
 
 
 class LlamaAttention(nn.Module):
@@ -164,6 +192,9 @@ class LlamaAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.backend = get_attention_backend(backend_name)
         self.fused_qkv: FusedLinear | None = None  # set by `fuse_projections`
+        # the fused output cut as [q and k, v] when q and k are rotated together (not when
+        # they are normalized first, nor for the Triton kernels, which take them apart)
+        self.joint_qk = None if config.qk_norm or use_kernels else [q_size + kv_size, kv_size]
         self.use_kernels = use_kernels
 
     def forward(
@@ -174,6 +205,13 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata | None,
     ) -> torch.Tensor:
         """x: [num_tokens, hidden] with a cache, or [batch, seq, hidden] without (meta None)."""
+        if self.fused_qkv is not None and self.joint_qk and isinstance(rope, TableRope):
+            # q and k side by side in the GEMM's output: one rotation for both
+            qkv = self.fused_qkv(x, self.head_dim, self.joint_qk)
+            if qkv is not None:
+                qk, v = qkv
+                q, k = rope.rotate(qk).split([self.num_heads, self.num_kv_heads], dim=-2)
+                return self._attend(q, k, v, kv_cache_layer, meta)
         qkv = None if self.fused_qkv is None else self.fused_qkv(x, self.head_dim)
         if qkv is None:
             lead = x.shape[:-1]
@@ -187,6 +225,16 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k)
+        return self._attend(q, k, v, kv_cache_layer, meta)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache_layer: torch.Tensor | None,
+        meta: AttentionMetadata | None,
+    ) -> torch.Tensor:
         if meta is None:
             out = causal_attention(q, k, v, self.scale)
         else:
@@ -325,8 +373,7 @@ class LlamaModel(nn.Module):
                 )
             cache = self.cos_sin_cache
             return lambda q, k: rope_kernel(q, k, positions, cache)
-        cos, sin = rope_tables(*self.rotary_emb(positions, dtype))
-        return lambda q, k: (apply_rope_tables(q, cos, sin), apply_rope_tables(k, cos, sin))
+        return TableRope(*rope_tables(*self.rotary_emb(positions, dtype)))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -65,7 +65,10 @@ class RotaryEmbedding:
             self.inv_freq = self.inv_freq.to(positions.device)
         angles = positions[..., None].float() * self.inv_freq
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if dtype != torch.float32:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,8 @@ from minillm.outputs import SampledToken
 from minillm.worker.cuda_graphs import CUDAGraphConfig, CUDAGraphRunner
 from minillm.worker.sampler import Sampler, SamplerOutput, SamplingState, make_generator
 
+TORCH_TO_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+
 
 def allocate_kv_caches(
     config: ModelConfig,
@@ -100,8 +102,12 @@ def prepare_inputs(
     samples = np.fromiter((chunk.samples for chunk in scheduled), bool, n)
     logits_indices = query_start_loc[1:][samples] - 1
 
+    on_host = torch.device(device).type == "cpu"
+
     def tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(values).to(device=device, dtype=dtype)
+        # the dtype set on the host: on a CPU the array's memory is the tensor's, no copy
+        host = torch.from_numpy(values.astype(TORCH_TO_NUMPY[dtype], copy=False))
+        return host if on_host else host.to(device)
 
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     meta = AttentionMetadata(

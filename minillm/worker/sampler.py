@@ -253,7 +253,8 @@ class Sampler:
                 f"expected logits of shape [{len(requests)}, vocab_size] (one row per request), "
                 f"got {tuple(logits.shape)}"
             )
-        logits = logits.float()
+        if logits.dtype != torch.float32:  # .float() of float32 logits is still a call
+            logits = logits.float()
         mode = self.logprobs_mode
         params = [request.params for request in requests]
         wants_logprobs = any(p.logprobs is not None for p in params)
@@ -290,7 +291,8 @@ class Sampler:
         Speculative decoding verifies drafts against exactly these (`minillm.spec`).
         logits: [num_rows, vocab_size], raw; returns float32 [num_rows, vocab_size].
         """
-        logits = logits.float()
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         params = [request.params for request in requests]
         grammar_mask = None
         if any(p.structured_outputs is not None for p in params):

@@ -191,10 +191,37 @@ def test_fused_projections_compute_the_layers_or_step_aside(hf_checkpoint, arch)
         assert attn.fused_qkv(x) is not None
         attn.q_proj.weight.data = attn.q_proj.weight.data.clone() * 3  # reassigned storage
         assert attn.fused_qkv(x) is None
+        if arch == "qwen2":  # a bias's storage reassigned counts as much
+            other = model.model.layers[1].self_attn
+            assert other.fused_qkv(x) is not None
+            other.v_proj.bias.data = other.v_proj.bias.data.clone()
+            assert other.fused_qkv(x) is None
         # unchanged parameter names: checkpoints load and save as before
         assert [name for name, _ in model.state_dict().items()] == names
         mlp.up_proj = torch.nn.Linear(mlp.up_proj.in_features, mlp.up_proj.out_features)
         assert mlp.fused_gate_up(x) is None  # a replaced layer (a quantized one, say)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_q_and_k_rotated_together_equal_rotated_apart(hf_checkpoint, arch):
+    """The fused path cuts the QKV product as [q and k, v] and rotates q and k in one call;
+    RoPE is elementwise, so every logit equals the one from rotating them apart."""
+    path, _ = hf_checkpoint(arch)
+    tokens = random_tokens(97, 16, seed=5)
+    joint = load_minillm(path, fused=True)
+    apart = load_minillm(path, fused=True)
+    layers = [layer.self_attn for layer in apart.model.layers]
+    for attn in layers:
+        attn.joint_qk = None
+    if arch != "qwen3":  # q/k norm comes before the rotation: nothing to rotate together
+        assert all(layer.self_attn.joint_qk for layer in joint.model.layers)
+    logits = {}
+    for name, model in (("joint", joint), ("apart", apart)):
+        batcher = PagedBatcher(model)
+        steps = [batcher.step({"s": tokens[:9]})["s"]]
+        steps += [batcher.step({"s": [t]})["s"] for t in tokens[9:]]
+        logits[name] = torch.cat(steps)
+    assert torch.equal(logits["joint"], logits["apart"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
