@@ -180,6 +180,26 @@ def write_foreign_set(model_dir: pathlib.Path, window_len: int, num_windows: int
     (model_dir / FOREIGN_FILE).write_text(json.dumps(foreign, separators=(",", ":")) + "\n")
 
 
+def draft_acceptance(draft: LlamaForCausalLM, target: LlamaForCausalLM, tokenizer, eos_id) -> dict:
+    """How often the draft's greedy token equals the target's, over the target's own greedy
+    continuations of ACCEPTANCE_PROMPTS, and the tokens per verification round at
+    DRAFT_LENGTH drafts that this gives (`draft_agreement`)."""
+    matches, positions, rounds = 0, 0, []
+    for prompt in ACCEPTANCE_PROMPTS:
+        prompt_ids = tokenizer.encode(prompt)
+        target_new = greedy_generate(target, prompt_ids, ACCEPTANCE_NEW_TOKENS, eos_id)
+        m, accepted = draft_agreement(draft, prompt_ids, target_new)
+        matches, positions, rounds = matches + m, positions + len(target_new), rounds + accepted
+    return {
+        "num_prompts": len(ACCEPTANCE_PROMPTS),
+        "num_positions": positions,
+        "greedy_acceptance_rate": round(matches / positions, 4),
+        "draft_length": DRAFT_LENGTH,
+        "mean_accepted_per_round": round(sum(rounds) / len(rounds), 3),
+        "mean_tokens_per_round": round(sum(rounds) / len(rounds) + 1, 3),
+    }
+
+
 def measure(model_dir: pathlib.Path, target_dir: pathlib.Path | None = None) -> dict:
     """Held-out loss and samples of one model; agreement with the target if target_dir."""
     loaded = load_model(model_dir, dtype="float32")
@@ -217,20 +237,7 @@ def measure(model_dir: pathlib.Path, target_dir: pathlib.Path | None = None) -> 
         }
     if target_dir is not None:
         target = load_model(target_dir, dtype="float32").model
-        matches, positions, rounds = 0, 0, []
-        for prompt in ACCEPTANCE_PROMPTS:
-            prompt_ids = tokenizer.encode(prompt)
-            target_new = greedy_generate(target, prompt_ids, ACCEPTANCE_NEW_TOKENS, eos_id)
-            m, accepted = draft_agreement(model, prompt_ids, target_new)
-            matches, positions, rounds = matches + m, positions + len(target_new), rounds + accepted
-        result["acceptance"] = {
-            "num_prompts": len(ACCEPTANCE_PROMPTS),
-            "num_positions": positions,
-            "greedy_acceptance_rate": round(matches / positions, 4),
-            "draft_length": DRAFT_LENGTH,
-            "mean_accepted_per_round": round(sum(rounds) / len(rounds), 3),
-            "mean_tokens_per_round": round(sum(rounds) / len(rounds) + 1, 3),
-        }
+        result["acceptance"] = draft_acceptance(model, target, tokenizer, eos_id)
     return result
 
 
