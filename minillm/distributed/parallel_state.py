@@ -274,3 +274,8 @@ class Communicator:
         with in_collective():
             dist.recv(x, src)
         return x
+
+    def irecv(self, x: torch.Tensor, src: int) -> dist.Work:
+        """Start receiving into x from rank src; x holds the data once the handle's wait()
+        returns."""
+        return dist.irecv(x, src)

@@ -24,6 +24,7 @@ run of steps, whichever way they were run.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 import traceback
@@ -95,16 +96,27 @@ class StageTiming:
     """One stage's share of one step: time busy, and when the stage began and ended the step
     (time.monotonic, one clock for every process of the machine).
 
-    Busy is the stage's own work on the step's micro-batches: preparing their inputs, its
-    layers, and on the last stage the logits and the sampling of the tokens (the step ends
-    once they are sampled: `Worker.execute_model`). Waiting is idle: for the previous
-    stage's hidden states, for the next stage to take this one's, and between steps for the
-    engine's next plan."""
+    A worker's step begins when it takes the step's plan and ends once it has handed back
+    its answer (`worker_main`). Busy is all the stage's own work on the step: taking the
+    plan, preparing the micro-batches' inputs, its layers, on the last stage the logits and
+    the sampling, and handing back the answer. Idle is waiting on another process: for the
+    previous stage's hidden states, for the next stage to take this one's, and, between
+    steps, for the engine's next plan. `host_s` is the part of busy spent outside the model
+    on taking the plan and handing back the answer (0 until `worker_main` adds it)."""
 
     num_micro_batches: int
     busy_s: float
     start_s: float
     end_s: float
+    host_s: float = 0.0
+
+    def widen(self, taken_s: float, answered_s: float) -> None:
+        """The step began when its plan was taken (taken_s) and ended once its answer was
+        handed back (answered_s): the host work before and after counts as busy."""
+        host_s = (self.start_s - taken_s) + (answered_s - self.end_s)
+        self.busy_s += host_s
+        self.host_s += host_s
+        self.start_s, self.end_s = taken_s, answered_s
 
 
 def bubble_fraction(num_stages: int, num_micro_batches: int) -> float:
@@ -175,12 +187,42 @@ def bubble_parts(stage_timings: list[list[StageTiming]]) -> dict[str, float]:
     }
 
 
+class EarlyReceives:
+    """A later stage's receives of hidden states, posted as soon as each plan reaches the
+    rank, in the order the plans come (`Worker.plan_arrived`, from the thread that reads the
+    engine's commands). While the stage computes one batch, the previous stage's hidden
+    states for the next already land in their buffer, so the previous stage's send completes
+    at once and the stage finds them there when it turns to that batch. Every plan reaches
+    `run_stage` in the same order, one `take` per micro-batch."""
+
+    def __init__(self, comm: Communicator, hidden_size: int, dtype, device) -> None:
+        self.comm, self.hidden_size, self.dtype, self.device = comm, hidden_size, dtype, device
+        self.posted: collections.deque = collections.deque()  # (rows, work, buffer)
+
+    def post(self, micro_batches: list[list[ScheduledRequest]]) -> None:
+        """Post the receives of one plan's micro-batches (each one's rows: its new tokens)."""
+        for batch in micro_batches:
+            rows = sum(chunk.num_new_tokens for chunk in batch)
+            buffer = torch.empty((rows, self.hidden_size), dtype=self.dtype, device=self.device)
+            self.posted.append((rows, self.comm.irecv(buffer, self.comm.rank - 1), buffer))
+
+    def take(self, rows: int) -> torch.Tensor:
+        """The oldest posted receive's hidden states, once they have landed."""
+        posted_rows, work, buffer = self.posted.popleft()
+        if posted_rows != rows:
+            raise RuntimeError(f"posted a receive of {posted_rows} rows for a batch of {rows}")
+        with in_collective():
+            work.wait()
+        return buffer
+
+
 @torch.inference_mode()
 def run_stage(
     runner: ModelRunner,
     comm: Communicator,
     micro_batches: list[list[ScheduledRequest]],
     sends: list | None = None,
+    receives: EarlyReceives | None = None,
 ) -> tuple[list[torch.Tensor], StageTiming, list[str]]:
     """Run this stage over every micro-batch: receive hidden states from the previous stage
     (or embed the tokens), run the stage's layers, send on (or compute the logits of the
@@ -196,7 +238,8 @@ def run_stage(
     are on the way, the first stage at most one batch ahead of the next; letting it run
     further ahead (more sends on the way) measured no smaller bubble with three batches in
     flight (minillm.lab.pipeline_bench), since it then waits between steps for the engine's
-    next plan instead."""
+    next plan instead. A later stage takes its hidden states from `receives` when given
+    (posted as the plans arrived), else receives them now."""
     model, rank, size = runner.model, comm.rank, comm.world_size
     first, last = rank == 0, rank == size - 1
     start = time.monotonic()
@@ -211,8 +254,13 @@ def run_stage(
             x = None
         else:  # waiting for the previous stage is idle time
             busy_s += time.monotonic() - began
-            shape = (len(inputs.input_ids), model.config.hidden_size)
-            x = comm.recv(torch.empty(shape, dtype=runner.dtype, device=runner.device), rank - 1)
+            rows = len(inputs.input_ids)
+            if receives is not None:
+                x = receives.take(rows)
+            else:
+                shape = (rows, model.config.hidden_size)
+                x = torch.empty(shape, dtype=runner.dtype, device=runner.device)
+                x = comm.recv(x, rank - 1)
             began = time.monotonic()
         try:
             x = stage_forward(model, inputs, x, runner.kv_caches)

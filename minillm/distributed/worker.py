@@ -35,7 +35,13 @@ from minillm.distributed.parallel_state import (
     init_process_group,
     set_wait_flags,
 )
-from minillm.distributed.pipeline import StageTiming, make_stage, run_stage, split_micro_batches
+from minillm.distributed.pipeline import (
+    EarlyReceives,
+    StageTiming,
+    make_stage,
+    run_stage,
+    split_micro_batches,
+)
 from minillm.distributed.tensor_parallel import shard_model
 from minillm.model.loader import load_model
 from minillm.model.moe import routing_recorder
@@ -126,6 +132,28 @@ class Worker:
         # so that a step run again (a batch a stage raised on, each request alone) draws
         # what a clean run draws
         self.streams_before: collections.OrderedDict[int, dict] = collections.OrderedDict()
+        # a pipeline stage after the first, over gloo: its hidden states' receives, posted as
+        # plans come. Over NCCL a receive is a kernel on the stage's stream, and one posted
+        # from the thread that reads the commands could reach the stream out of the order the
+        # ranks agree on; there the stage receives when it turns to the batch.
+        self.receives: EarlyReceives | None = None
+        if parallel.pipeline_parallel_size > 1 and rank > 0 and dist.get_backend() == "gloo":
+            hidden_size = model.config.hidden_size
+            self.receives = EarlyReceives(self.comm, hidden_size, self.runner.dtype, device)
+
+    def plan_arrived(self, plan: SchedulerOutput) -> None:
+        """A step's plan has reached the rank (called by the thread that reads the commands,
+        before the plan's turn): a later pipeline stage posts the receives of its
+        micro-batches' hidden states now, so that they land while it computes the batches
+        before it."""
+        if self.receives is not None and plan.scheduled:
+            self.receives.post(split_micro_batches(plan.scheduled, self.spec.num_micro_batches))
+
+    def step_answered(self, step: int, taken_s: float, answered_s: float) -> None:
+        """A pipeline stage's step `step` began when its plan was taken and ended when its
+        answer was handed back: widen the step's timing to that (`StageTiming.widen`)."""
+        if self.records and self.records[-1].step == step and self.records[-1].timing:
+            self.records[-1].timing.widen(taken_s, answered_s)
 
     @torch.inference_mode()
     def execute_model(self, plan: SchedulerOutput) -> dict[str, SampledToken] | None:
@@ -144,7 +172,9 @@ class Worker:
         timing, faults = None, []
         if self.spec.parallel.pipeline_parallel_size > 1:
             micro_batches = split_micro_batches(scheduled, self.spec.num_micro_batches)
-            logits, timing, faults = run_stage(runner, self.comm, micro_batches, self.sends)
+            logits, timing, faults = run_stage(
+                runner, self.comm, micro_batches, self.sends, self.receives
+            )
             logits = torch.cat(logits) if logits else None
         else:
             inputs = prepare_inputs(scheduled, runner.block_size, runner.device)
@@ -214,20 +244,34 @@ class Worker:
         return self.runner.kv_caches[0].shape[3]
 
 
-def _read_ahead(conn: Connection):
-    """The commands from the engine's pipe, read by a thread into a queue as they arrive."""
+def _read_each(conn: Connection):
+    """The commands from the engine's pipe, (command, args), each read when asked for."""
+    while True:
+        yield pickle.loads(conn.recv_bytes())
+
+
+def _read_ahead(conn: Connection, arrived=None):
+    """The commands from the engine's pipe, (command, args), read and unpickled by a thread
+    into a queue as they arrive; `arrived(plan)` is called there for each step's plan."""
     commands: queue.Queue = queue.Queue()
 
     def read() -> None:
         try:
             while True:
-                commands.put(conn.recv_bytes())
+                command = pickle.loads(conn.recv_bytes())
+                if arrived is not None and command[0] == "execute_model":
+                    arrived(command[1][0])
+                commands.put(command)
         except (EOFError, OSError):
             commands.put(None)
+        except BaseException as error:  # noqa: BLE001 - raised by the rank's main thread
+            commands.put(error)
 
     threading.Thread(target=read, name="commands", daemon=True).start()
-    while (payload := commands.get()) is not None:
-        yield payload
+    while (command := commands.get()) is not None:
+        if isinstance(command, BaseException):
+            raise command
+        yield command
     raise EOFError
 
 
@@ -252,17 +296,24 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection, wait_flags=None) 
             # the engine sends a prefill rank commands without waiting for it: read them as
             # they come, so that the pipe never fills and blocks the engine
             commands = _read_ahead(conn)
+        elif spec.parallel.pipeline_parallel_size > 1:
+            worker = Worker(rank, spec)
+            # a pipeline stage reads them as they come too, so that a later stage posts the
+            # receives of a batch's hidden states as soon as its plan is here
+            commands = _read_ahead(conn, worker.plan_arrived)
         else:
             worker = Worker(rank, spec)
-            commands = iter(lambda: conn.recv_bytes(), None)
+            commands = _read_each(conn)
         conn.send(("ready", None))
-        for payload in commands:
-            command, args = pickle.loads(payload)
+        for command, args in commands:
             if command == "shutdown":
                 if hasattr(worker, "close"):
                     worker.close()
                 break
+            taken_s = time.monotonic()
             conn.send(("ok", getattr(worker, command)(*args)))
+            if command == "execute_model" and isinstance(worker, Worker):
+                worker.step_answered(args[0].step, taken_s, time.monotonic())
     except (EOFError, KeyboardInterrupt):
         pass  # the engine is gone or stopping us: nothing to report to
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it

@@ -8,9 +8,11 @@ turns (the order alternates every repeat, after a warm-up run each), and for eve
 the stages' timings (`LLMEngine.pipeline_stats`), measures the idle share of the stages over
 the whole run (`pipeline.run_bubble`) and splits it into its parts (`pipeline.bubble_parts`:
 fill and drain, waits for another stage within a step, gaps between steps). A stage is busy
-while it does its own work on a batch (preparing the inputs, its layers, and on the last
-stage the logits and the sampling: `pipeline.StageTiming`) and idle while it waits. Each
-engine is set against two formulas:
+while it does its own work on a batch (taking the plan, preparing the inputs, its layers, on
+the last stage the logits and the sampling, handing back the answer: `pipeline.StageTiming`)
+and idle while it waits on another process: a stage's hidden states, the next stage, the
+engine's next plan. The host work of taking the plan and handing back the answer is also
+reported on its own, per batch and stage. Each engine is set against two formulas:
 
 - equal stages (GPipe): every step fills and drains a pipeline of m micro-batches,
   (p - 1) / (m + p - 1); with batches in flight the run's n batches fill and drain it once,
@@ -20,11 +22,11 @@ engine is set against two formulas:
   of stages of unequal time, paced by the slowest. The last stage also computes the logits
   and samples, so it is the slower one unless it holds fewer layers (`partition`).
 
-Neither counts what is left: the engine processing one batch's tokens and planning the
-next, pickling plans to the worker processes and the tokens back, the hidden states
-crossing between processes, and, on a shared machine, other processes holding the cores.
-It also checks that every engine gives the one-process engine's tokens. Speed is measured,
-never asserted.
+Neither counts what is left: a first stage that waits for the engine to take one batch's
+tokens in and plan the next, batches that vary in time from one to the next (a stage that
+runs ahead at most one batch cannot always absorb that), and, on a shared machine, other
+processes holding the cores. It also checks that every engine gives the one-process
+engine's tokens. Speed is measured, never asserted.
 
 On a machine with fewer free cores than processes the stages cannot compute at the same
 time, and the bubble measures the machine more than the schedule. `layer_seconds` then
@@ -101,6 +103,7 @@ def _run(llm: LLM, params: SamplingParams) -> dict:
         "micro_batches": sum(t.num_micro_batches for t in stages[0]),
         "median_step_bubble": statistics.median(measured_bubble(list(s)) for s in steps),
         "busy_s_per_stage": [sum(t.busy_s for t in stage) for stage in stages],
+        "host_s_per_stage": [sum(t.host_s for t in stage) for stage in stages],
     }
 
 
@@ -201,6 +204,11 @@ def _measure(repeats: int, max_tokens: int, partition: tuple[int, ...] | None) -
             "busy_s_per_stage_median": [
                 statistics.median(r["busy_s_per_stage"][s] for r in mode_runs) for s in range(2)
             ],
+            # of the busy time per batch, the host work of taking the plan and answering
+            "host_ms_per_batch_median": [
+                1e3 * statistics.median(r["host_s_per_stage"][s] for r in mode_runs) / batches
+                for s in range(2)
+            ],
             "tokens_equal_one_process": all(r["tokens"] == reference for r in mode_runs),
         }
     return result
@@ -293,7 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['bubble_max']:.3f}) against {r['formula']:.3f} {r['formula_reads']}, "
             f"{r['formula_uneven_median']:.3f} for the stages as measured "
             f"({', '.join(f'{1e3 * t:.1f}' for t in r['stage_seconds_per_batch_median'])} "
-            f"ms per batch); "
+            f"ms per batch, of which host work "
+            f"{', '.join(f'{t:.2f}' for t in r['host_ms_per_batch_median'])}); "
             f"{r['seconds_median']:.2f} s; tokens equal one process: "
             f"{r['tokens_equal_one_process']}"
         )

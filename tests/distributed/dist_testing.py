@@ -166,3 +166,27 @@ def moe_sharded_causal_logits(rank: int, checkpoints: list[str], token_ids: torc
                 logits = shard.forward_causal(token_ids)
             results.append((logits, dict(comm.counts.calls), experts))
     return results
+
+
+def early_receives(rank: int, compute_s: float):
+    """Rank 1 posts the receives of a plan's two micro-batches (3 and 2 rows) as the plan
+    arrives (`pipeline.EarlyReceives`), computes for compute_s, then takes them; rank 0
+    sends both and waits until they are received. Rank 0 returns how long that took, rank 1
+    what it took."""
+    import time
+    from types import SimpleNamespace as Chunk
+
+    from minillm.distributed.parallel_state import Communicator
+    from minillm.distributed.pipeline import EarlyReceives
+
+    comm = Communicator(rank, 2)
+    if rank == 0:
+        hidden = [torch.arange(12.0).view(3, 4), -torch.arange(8.0).view(2, 4)]
+        start = time.monotonic()
+        for work in [comm.send(x, 1) for x in hidden]:
+            work.wait()
+        return time.monotonic() - start
+    receives = EarlyReceives(comm, 4, torch.float32, "cpu")
+    receives.post([[Chunk(num_new_tokens=3)], [Chunk(num_new_tokens=1), Chunk(num_new_tokens=1)]])
+    time.sleep(compute_s)
+    return [receives.take(3).clone(), receives.take(2).clone()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 from conftest import GREEDY, PROMPTS
 from hypothesis import given
 from hypothesis import strategies as st
@@ -152,6 +153,66 @@ def test_busy_holds_a_stages_inputs_and_the_last_stages_sampling(monkeypatch):
         assert sampled.timing.busy_s >= 0.05 * m + 0.1
         # and the step ends after the sampling: busy within the step's span
         assert sampled.timing.end_s - sampled.timing.start_s >= sampled.timing.busy_s
+
+
+def test_a_stages_step_runs_from_taking_its_plan_to_handing_back_its_answer(monkeypatch):
+    """The host work a rank does on a step outside run_stage counts as the stage's busy time
+    (and as its host time), within the step's span. Slowed by a known wait here."""
+    import time
+
+    from minillm.distributed.worker import Worker
+
+    execute = Worker.execute_model
+
+    def slow_execute(self, plan):
+        time.sleep(0.05)
+        return execute(self, plan)
+
+    monkeypatch.setattr(Worker, "execute_model", slow_execute)
+    with LLM(dtype="float32", pipeline_parallel_size=2, pipeline_batches_in_flight=2) as llm:
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        stages = llm.engine.pipeline_stats()
+    for records in stages:
+        assert records
+        for record in records:
+            timing = record.timing
+            assert timing.host_s >= 0.05 and timing.busy_s >= timing.host_s
+            assert timing.end_s - timing.start_s >= timing.busy_s
+
+
+def test_widening_a_step_counts_the_host_work_as_busy():
+    timing = StageTiming(1, 2.0, 10.0, 13.0)  # 1 s of the 3 s step waiting
+    timing.widen(9.5, 13.25)
+    assert (timing.start_s, timing.end_s) == (9.5, 13.25)
+    assert timing.busy_s == pytest.approx(2.75) and timing.host_s == pytest.approx(0.75)
+
+
+def test_a_later_stage_receives_hidden_states_while_it_computes():
+    """Rank 1 posts a plan's receives when the plan arrives and computes for a second
+    before it takes them: rank 0's sends are done long before, and the hidden states arrive
+    whole, in order. A receive posted only when the stage turns to the batch would hold
+    rank 0's sends for the whole second."""
+    from dist_testing import early_receives, run_on_ranks
+
+    sent_s, received = run_on_ranks(early_receives, 1.0)
+    assert sent_s < 0.5
+    assert torch.equal(received[0], torch.arange(12.0).view(3, 4))
+    assert torch.equal(received[1], -torch.arange(8.0).view(2, 4))
+
+
+def test_a_receive_posted_for_other_rows_is_an_error():
+    from minillm.distributed.pipeline import EarlyReceives
+
+    class Posting:
+        rank = 1
+
+        def irecv(self, x, src):
+            return None
+
+    receives = EarlyReceives(Posting(), 4, torch.float32, "cpu")
+    receives.post([[Chunk(3)]])
+    with pytest.raises(RuntimeError, match="posted a receive of 3 rows for a batch of 2"):
+        receives.take(2)
 
 
 def test_run_bubble_of_batches_in_flight():
