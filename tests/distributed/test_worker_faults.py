@@ -116,6 +116,23 @@ def test_a_stalled_prefill_rank_is_named_not_waited_for(tmp_path):
     _stop_and_expect_named(llm, 0, None)
 
 
+@pytest.mark.parametrize(
+    "options", [dict(pipeline_micro_batches=2), dict(pipeline_batches_in_flight=2)]
+)
+def test_a_stalled_first_pipeline_stage_is_named_not_waited_for(tmp_path, options):
+    model = save_checkpoint(build_hf_model("llama", hidden_size=32), tmp_path / "llama")
+    # the last stage waits for the stopped first stage's hidden states (a receive it posted
+    # when the plan came)
+    _stop_and_expect_named(LLM(model, pipeline_parallel_size=2, **options), 0, [1])
+
+
+def test_a_stalled_last_pipeline_stage_is_named_not_waited_for(tmp_path):
+    model = save_checkpoint(build_hf_model("llama", hidden_size=32), tmp_path / "llama")
+    _stop_and_expect_named(
+        LLM(model, pipeline_parallel_size=2, pipeline_batches_in_flight=2), 1, None
+    )
+
+
 def test_a_stalled_rank_prints_where_it_stands(tmp_path, monkeypatch, capfd):
     """A rank that hangs without waiting for the others (here: a step that never returns)
     prints the Python stack of its threads before the engine stops it."""
