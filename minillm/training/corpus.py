@@ -201,6 +201,44 @@ def build_foreign_set(
     }
 
 
+def site_packages_root() -> pathlib.Path:
+    """The running environment's directory of installed pure-Python packages."""
+    return pathlib.Path(sysconfig.get_paths()["purelib"])
+
+
+SITE_MAX_FILE_BYTES = 200_000  # larger files are generated tables (unicode data, protobufs)
+
+
+def read_site_packages(
+    root: pathlib.Path | None = None, exclude: set[str] | None = None
+) -> list[Document]:
+    """The `.py` files of the installed packages, sorted by path, as extra training text.
+
+    Every file with a path component in `exclude` is left out, wherever it sits: the
+    foreign packages' import directories (by default) and the copies other packages vendor
+    (`pip/_vendor/packaging/...`), so the foreign evaluation stays code the model never saw.
+    Also left out: distribution metadata directories of excluded names, the editable-install
+    finders (they hold the checkout's path), files over SITE_MAX_FILE_BYTES, non-UTF-8 files.
+    """
+    root = site_packages_root() if root is None else root
+    if exclude is None:
+        exclude = {module for modules in FOREIGN_PACKAGES.values() for module in modules}
+    prefixes = tuple(f"{name}-" for name in exclude)
+    documents = []
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        parts = path.relative_to(root).parts
+        if exclude.intersection(parts) or any(part.startswith(prefixes) for part in parts):
+            continue
+        if parts[0].startswith("__editable__") or path.stat().st_size > SITE_MAX_FILE_BYTES:
+            continue
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        documents.append(Document(path.relative_to(root).as_posix(), text))
+    return documents
+
+
 # Chat turns as Python comments, the only dialogue the standard library's code contains;
 # `minillm serve` renders it for /v1/chat/completions as transformers' apply_chat_template does.
 CHAT_TEMPLATE = (

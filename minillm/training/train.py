@@ -109,11 +109,26 @@ def model_config(spec: ModelSpec, tokenizer: Tokenizer) -> ModelConfig:
 heldout_windows = corpus.spread_windows  # the held-out slice of the validation stream
 
 
-def prepare_corpus(work_dir: pathlib.Path, seq_len: int, num_heldout_windows: int = 64):
-    """Split the standard library, train the tokenizer, encode both splits; cached in work_dir."""
+def prepare_corpus(
+    work_dir: pathlib.Path,
+    seq_len: int,
+    num_heldout_windows: int = 64,
+    site_packages: bool = False,
+):
+    """Split the standard library, train the tokenizer, encode both splits; cached in work_dir.
+
+    With `site_packages`, the installed packages' code (`corpus.read_site_packages`, which
+    leaves out the foreign evaluation packages) joins the training split after the standard
+    library's. The tokenizer and the held-out split stay the standard library's alone.
+    """
     manifest_path = work_dir / "manifest.json"
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
+        if manifest.get("site_packages", False) != site_packages:
+            raise ValueError(
+                f"{work_dir} holds a corpus built with site_packages="
+                f"{manifest.get('site_packages', False)}; use another --work-dir"
+            )
     else:
         work_dir.mkdir(parents=True, exist_ok=True)
         documents = corpus.read_stdlib()
@@ -122,10 +137,24 @@ def prepare_corpus(work_dir: pathlib.Path, seq_len: int, num_heldout_windows: in
         corpus.write_tokenizer_files(tokenizer, work_dir)
         train_tokens = corpus.encode_documents(tokenizer, train_docs)
         val_tokens = corpus.encode_documents(tokenizer, val_docs)
+        description = corpus.corpus_description()
+        extra = {}
+        if site_packages:
+            site_docs = corpus.read_site_packages()
+            site_tokens = corpus.encode_documents(tokenizer, site_docs)
+            train_tokens = np.concatenate([train_tokens, site_tokens])
+            site_root = corpus.site_packages_root()
+            description += f" + {len(site_docs)} files of the installed packages ({site_root})"
+            extra = {
+                "num_site_packages_files": len(site_docs),
+                "num_site_packages_tokens": int(len(site_tokens)),
+            }
         np.save(work_dir / "train.npy", train_tokens)
         np.save(work_dir / "val.npy", val_tokens)
         manifest = {
-            "corpus": corpus.corpus_description(),
+            "corpus": description,
+            "site_packages": site_packages,
+            **extra,
             "python_version": platform.python_version(),
             "num_files": len(documents),
             "num_train_files": len(train_docs),
@@ -373,6 +402,11 @@ def main(argv: list[str] | None = None) -> None:
         help="bfloat16 matmuls, float32 weights: faster on CPUs with AMX bfloat16 units, "
         "about 3x slower than float32 on CPUs without them",
     )
+    fit_parser.add_argument(
+        "--site-packages",
+        action="store_true",
+        help="train also on the installed packages' code, except the foreign evaluation set",
+    )
     fit_parser.add_argument("--out-dir", type=pathlib.Path, default=MODELS_DIR)
     fit_parser.add_argument("--work-dir", type=pathlib.Path, default=DEFAULT_WORK_DIR)
     card_parser = sub.add_parser("card", help="measure both models and write their cards")
@@ -393,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads,
         bf16_autocast=args.bf16_autocast,
     )
-    data = prepare_corpus(args.work_dir, cfg.seq_len)
+    data = prepare_corpus(args.work_dir, cfg.seq_len, site_packages=args.site_packages)
     print(f"corpus: {data.manifest['corpus']}, {len(data.train_tokens)} train tokens", flush=True)
     for which in ["target", "draft"] if args.model == "both" else [args.model]:
         spec = SPECS[which]

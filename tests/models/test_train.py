@@ -34,6 +34,40 @@ def test_read_stdlib_sorted_utf8_without_site_packages(tmp_path):
     assert documents[0].text == "z = 2\n"
 
 
+def test_site_packages_leave_out_the_foreign_code_and_its_vendored_copies(tmp_path):
+    files = {
+        "zlib_like/core.py": "x = 1\n",
+        "aaa.py": "a = 1\n",
+        "click/core.py": "foreign = 1\n",
+        "attr/_make.py": "foreign = 1\n",
+        "pip/_vendor/packaging/version.py": "vendored = 1\n",
+        "attrs-25.1.0.dist-info/helper.py": "meta = 1\n",
+        "__editable___minillm_0_1_0_finder.py": "MAPPING = {'minillm': '/some/checkout'}\n",
+        "big/table.py": "t = 0\n" * (corpus.SITE_MAX_FILE_BYTES // 6 + 1),
+        "pkg/sub/mod.py": "b = 2\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "pkg" / "latin1.py").write_bytes(b"s = '\xe9'\n")
+    documents = corpus.read_site_packages(tmp_path)
+    assert [d.path for d in documents] == ["aaa.py", "pkg/sub/mod.py", "zlib_like/core.py"]
+    assert documents[1].text == "b = 2\n"
+    # the default leaves out exactly the import directories of the foreign evaluation set
+    assert {"packaging", "attr", "attrs", "click"} == {
+        m for ms in corpus.FOREIGN_PACKAGES.values() for m in ms
+    }
+    only_click = corpus.read_site_packages(tmp_path, exclude={"click"})
+    assert "attr/_make.py" in [d.path for d in only_click]
+    assert "click/core.py" not in [d.path for d in only_click]
+
+
+def test_a_cached_corpus_built_otherwise_is_refused(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"corpus": "stdlib"}))
+    with pytest.raises(ValueError, match="site_packages=False"):
+        train.prepare_corpus(tmp_path, seq_len=8, site_packages=True)
+
+
 def test_split_depends_on_the_path_alone():
     paths = [f"pkg/module_{i}.py" for i in range(5000)]
     documents = [corpus.Document(p, "") for p in paths]
