@@ -100,11 +100,16 @@ class Env:
             pipeline.prepare_inputs, pipeline.stage_forward = saved
 
     def solo(self, prompt: list[int], params: SamplingParams, lora: LoRARequest | None):
-        """The request's completions alone on a fresh, roomy engine without speculation."""
+        """The request's completions alone on a roomy engine without speculation.
+
+        The engine is shared by every scenario, so it caches no prefixes: a hit would make
+        the reference depend on the scenarios before (float32 sums of a cached prefix and of
+        a computed one may differ in the last bit, enough to flip a near-tie)."""
         key = (tuple(prompt), repr(params), lora)
         if key not in self.solo_cache:
             if lora not in self.solo_engines:
                 options = {"enable_lora": True, "max_lora_rank": 8} if lora else {}
+                options["enable_prefix_caching"] = False
                 self.solo_engines[lora] = LLMEngine(
                     EngineArgs(model=self.model_dir, **BASE, **options)
                 )
