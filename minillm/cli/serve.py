@@ -119,7 +119,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         engine.add_argument(
             f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text
         )
-    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs (GPU), no traced decode (CPU)"
+    )
     p.set_defaults(func=_run)
 
 

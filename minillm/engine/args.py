@@ -55,7 +55,7 @@ class EngineArgs:
     # fill, weights and activations included; the KV cache gets what is left (vLLM's rule)
     gpu_memory_utilization: float = 0.9
     attention_backend: str | None = None  # None: "triton" on CUDA, "torch" on the CPU
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    enforce_eager: bool = False  # True: no CUDA graphs (GPU) or traced forward (CPU) for decode
     seed: int = 0  # seeds the generator that rows without their own seed share
     scheduling_policy: str = "fcfs"  # the waiting queue's order: "fcfs", "priority" or "sjf"
     batching_type: str = "continuous"  # or "static": a new batch only when the last one is done

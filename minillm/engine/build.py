@@ -182,6 +182,8 @@ def build_model_runner(
     )
     # decode steps replay CUDA graphs unless told not to or the backend cannot be captured
     use_graphs = device.type == "cuda" and not args.enforce_eager and backend in CUDA_GRAPH_BACKENDS
+    # on a CPU, their counterpart: decode steps replay a traced forward
+    trace_decode = device.type == "cpu" and not args.enforce_eager and not args.batch_invariant
     return ModelRunner(
         loaded.model,
         sampler,
@@ -190,6 +192,7 @@ def build_model_runner(
         CUDAGraphConfig(args.max_num_seqs, max_model_len) if use_graphs else None,
         kv_cache_dtype=pool.dtype,
         lora_manager=lora_manager,
+        trace_decode=trace_decode,
     )
 
 

@@ -256,7 +256,11 @@ def median_result(runs: list[BenchResult]) -> BenchResult:
 
 def measure_breakdown(llm, workload: Workload, max_num_seqs: int) -> dict:
     """One more continuous-batching run with every step timed by parts (`StepRecorder`), the
-    fp32 GEMM peak measured now, and the Python overhead of a full decode step."""
+    fp32 GEMM peak measured now, and the Python overhead of a full decode step.
+
+    The timed run's steps are eager: its timers wrap the layers in Python, which a traced
+    decode step (`minillm.worker.decode_trace`) would skip, so the engine runs them
+    untraced. The overhead share is measured on the engine as it runs, traced if it is."""
     from minillm.lab.step_breakdown import (
         StepRecorder,
         breakdown,
@@ -278,6 +282,7 @@ def measure_breakdown(llm, workload: Workload, max_num_seqs: int) -> dict:
         "gemm_peak_flops_per_s": peak,
         "decode_batch": batch,
         "python_overhead_share": overhead,
+        "decode_traced": engine.model_runner.decode_trace is not None,
     }
     for name, steps in (("all_steps", recorder.steps), ("full_decode_steps", full_decode)):
         b = breakdown(steps)
@@ -296,7 +301,10 @@ def print_breakdown(record: dict) -> None:
     from minillm.lab.step_breakdown import PARTS
 
     peak = record["gemm_peak_flops_per_s"]
-    print(f"\nwhere a step's time goes (fp32 GEMM peak measured now: {peak / 1e9:.1f} GFLOP/s)")
+    print(
+        f"\nwhere a step's time goes, eager steps (fp32 GEMM peak measured now: "
+        f"{peak / 1e9:.1f} GFLOP/s)"
+    )
     names = {
         "all_steps": "all steps",
         "full_decode_steps": f"decode, {record['decode_batch']} seqs",
@@ -315,9 +323,10 @@ def print_breakdown(record: dict) -> None:
             f"{label:<20} {b['num_steps']:5d} {b['step_s'] / b['num_steps'] * 1e3:8.2f} {shares}"
             f" {b['flops_per_s'] / 1e9:8.1f} {b['mfu']:6.1%}"
         )
+    traced = " (traced forward)" if record.get("decode_traced") else ""
     print(
         f"Python and dispatch (outside every aten op) in a decode step of "
-        f"{record['decode_batch']} sequences: {record['python_overhead_share']:.1%}"
+        f"{record['decode_batch']} sequences{traced}: {record['python_overhead_share']:.1%}"
     )
 
 

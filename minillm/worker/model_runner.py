@@ -29,6 +29,7 @@ from minillm.model.llama import LlamaForCausalLM
 from minillm.model.lora import LoRAManager
 from minillm.outputs import SampledToken
 from minillm.worker.cuda_graphs import CUDAGraphConfig, CUDAGraphRunner
+from minillm.worker.decode_trace import DecodeTrace, can_trace
 from minillm.worker.sampler import Sampler, SamplerOutput, SamplingState, make_generator
 
 TORCH_TO_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
@@ -143,6 +144,7 @@ class ModelRunner:
         cuda_graphs: CUDAGraphConfig | None = None,
         kv_cache_dtype: torch.dtype | None = None,  # None: the model's dtype
         lora_manager: LoRAManager | None = None,  # multi-LoRA: adapters applied per row
+        trace_decode: bool = False,  # on a CPU: decode steps replay a traced forward
     ) -> None:
         self.model = model
         self.lora_manager = lora_manager
@@ -159,6 +161,11 @@ class ModelRunner:
             None
             if cuda_graphs is None
             else CUDAGraphRunner(model, self.kv_caches, self.block_size, cuda_graphs)
+        )
+        self.decode_trace = (
+            DecodeTrace(model, self.kv_caches, self.block_size)
+            if trace_decode and lora_manager is None and can_trace(model, self.kv_caches)
+            else None
         )
         # the random stream of each seeded sequence, created when it first samples
         self.generators: dict[str, torch.Generator | None] = {}
@@ -194,12 +201,16 @@ class ModelRunner:
         return self.sample(logits, [chunk.sampling_seqs for chunk in scheduled if chunk.samples])
 
     def forward(self, model_input: ModelInput) -> torch.Tensor:
-        """Hidden states of the batch: a CUDA graph replay for a decode step when captured."""
+        """Hidden states of the batch: for a decode step, a CUDA graph replay when captured,
+        or on a CPU the traced forward's (`minillm.worker.decode_trace`)."""
         ids, positions, meta = model_input.input_ids, model_input.positions, model_input.meta
         graphs = self.cuda_graph_runner
         lora_active = self.lora_manager is not None and self.lora_manager.active
         if graphs is not None and not lora_active and graphs.can_run(ids, meta):
             return graphs.run(ids, positions, meta)
+        trace = self.decode_trace
+        if trace is not None and trace.can_run(ids, meta):
+            return trace.run(ids, positions, meta)
         return self.model(ids, positions, self.kv_caches, meta)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

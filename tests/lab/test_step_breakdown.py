@@ -104,3 +104,28 @@ def test_flop_count_matches_the_models_own_shapes(kv_heads):
     query_lens, seq_lens = [1, 1, 7, 3], [20, 5, 7, 12]  # decodes, a prompt, a later chunk
     got = step_flops(config, query_lens, seq_lens, num_sampled=3)
     assert got == count_flops_by_hand(model, query_lens, seq_lens, 3)
+
+
+def test_the_overhead_share_counts_aten_operators_only(tmp_path, monkeypatch):
+    """A traced forward's own profiler scope ("forward", the TorchScript interpreter between
+    operators) is overhead, not operator time."""
+    from minillm.engine.args import EngineArgs
+    from minillm.engine.llm_engine import LLMEngine
+    from minillm.lab import step_profile
+    from minillm.lab.step_breakdown import python_overhead_share
+    from minillm.lab.step_profile import OpTime
+
+    build_tiny_llama(tmp_path)
+    engine = LLMEngine(EngineArgs(model=tmp_path, device="cpu", dtype="float32"))
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    share = python_overhead_share(engine, prompts, repeats=3)
+    assert 0.0 <= share < 1.0
+
+    def interpreter_only(step):
+        step()
+        ops = [OpTime("forward", 1, 1e12), OpTime("aten::mm", 6, 0.0)]
+        return ops, 1e12
+
+    monkeypatch.setattr(step_profile, "profile_step", interpreter_only)
+    assert python_overhead_share(engine, prompts, repeats=3) == 1.0
+    assert not engine.has_unfinished_requests()
