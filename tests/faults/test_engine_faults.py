@@ -249,3 +249,47 @@ def test_a_batch_fault_before_the_copy_on_write_copies_is_redone_with_them(env):
         assert final[request_id].error is None
         assert tokens(final[request_id]) == env.solo(prompt, params, None)
     assert not leftovers(engine)
+
+
+@pytest.mark.parametrize("where", ["tracing", "replay"])
+def test_a_fault_in_the_traced_decode_forward_costs_no_request_anything(env, where, monkeypatch):
+    """The first decode step fails while the forward is being traced, or a later one while
+    a trace replays: the batch is run again request by request (no request aborted), the
+    next steps trace or replay as before, the tokens are the solo engine's, and the engine
+    is left clean."""
+    import torch
+
+    from minillm.worker import decode_trace
+
+    engine = make_engine(env)
+    trace = engine.model_runner.decode_trace
+    assert trace is not None
+    calls = [0]
+    if where == "tracing":
+        real_trace = torch.jit.trace
+
+        def trace_faulty(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("a fault while tracing")
+            return real_trace(*args, **kwargs)
+
+        monkeypatch.setattr(decode_trace.torch.jit, "trace", trace_faulty)
+    else:
+        replay = decode_trace.DecodeTrace.run
+
+        def replay_faulty(self, *args):
+            calls[0] += 1
+            if calls[0] == 4:
+                raise RuntimeError("a fault in a replay")
+            return replay(self, *args)
+
+        monkeypatch.setattr(decode_trace.DecodeTrace, "run", replay_faulty)
+    requests = {"greedy": ([5, 17, 42, 9, 77], GREEDY), "seeded": (list(range(20, 44)), SEEDED)}
+    final = run_all(engine, requests)
+    assert calls[0] >= (2 if where == "tracing" else 5)
+    for request_id, (prompt, params) in requests.items():
+        assert final[request_id].error is None, final[request_id].error
+        assert tokens(final[request_id]) == env.solo(prompt, params, None)
+    assert trace.num_traces == 1 and trace.num_replays > 5
+    assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
