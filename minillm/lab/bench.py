@@ -155,7 +155,13 @@ def bench_offline(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_path = resolve_model_path(args.model or DEFAULT_MODEL)
-    llm = LLM(str(model_path), dtype=args.dtype, max_num_seqs=args.max_num_seqs, device="cpu")
+    llm = LLM(
+        str(model_path),
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        device="cpu",
+        enforce_eager=args.enforce_eager,
+    )
     tokenizer = llm.get_tokenizer()
     config = llm.engine.config
     specials = {
@@ -219,6 +225,7 @@ def bench_offline(args: argparse.Namespace) -> dict:
         "load_average": list(os.getloadavg()),
         "model": str(args.model or DEFAULT_MODEL),
         "dtype": args.dtype,
+        "enforce_eager": args.enforce_eager,
         "workload": {
             "num_requests": len(workload.prompts),
             "input_len": list(args.input_len),
@@ -451,6 +458,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     offline.add_argument("--seed", type=int, default=0)
     offline.add_argument(
         "--threads", type=int, default=0, help="torch threads (0: torch's default)"
+    )
+    offline.add_argument(
+        "--enforce-eager", action="store_true", help="no traced decode forward (for A/B runs)"
     )
     offline.add_argument("--skip-transformers", action="store_true")
     offline.add_argument("--skip-one-at-a-time", action="store_true")

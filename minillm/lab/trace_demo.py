@@ -85,3 +85,88 @@ def compare_decode_steps(
         identical=tokens["eager"] == tokens["traced"] and len(tokens["eager"]) == num_seqs,
         num_replays=engines["traced"].model_runner.decode_trace.num_replays,
     )
+
+
+def overhead_share_rounds(
+    model: str | pathlib.Path, num_seqs: int = 64, rounds: int = 3, seed: int = 0
+) -> dict[str, list[float]]:
+    """`python_overhead_share` of a decode step of `num_seqs` sequences (the prompts of
+    `minillm bench offline`'s workload), eager and traced, in `rounds` interleaved rounds."""
+    from minillm.lab.bench import make_workload
+    from minillm.lab.step_breakdown import python_overhead_share
+
+    options = dict(model=model, device="cpu", dtype="float32", max_num_seqs=num_seqs)
+    engines = {
+        "eager": LLMEngine(EngineArgs(**options, enforce_eager=True)),
+        "traced": LLMEngine(EngineArgs(**options)),
+    }
+    specials = {0, 1, 2}  # the bundled tokenizer's BOS, EOS and PAD
+    vocab = engines["eager"].config.vocab_size
+    prompts = make_workload(num_seqs, (32, 256), (16, 128), vocab, specials, seed).prompts
+    shares = {name: [] for name in engines}
+    for i in range(rounds):
+        order = list(engines) if i % 2 == 0 else list(reversed(engines))
+        for name in order:
+            shares[name].append(python_overhead_share(engines[name], prompts))
+    return shares
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+    import os
+
+    import torch
+
+    from minillm.lab.bench import machine_record
+    from minillm.model.loader import DEFAULT_MODEL, resolve_model_path
+
+    parser = argparse.ArgumentParser(
+        prog="python -m minillm.lab.trace_demo",
+        description="eager against traced decode steps, interleaved: step time and the share "
+        "outside every aten operator",
+    )
+    parser.add_argument("--model", default=None, help="HF directory or bundled name")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = resolve_model_path(args.model or DEFAULT_MODEL)
+    load_before = list(os.getloadavg())
+    shares = overhead_share_rounds(model, 64, args.rounds)
+    steps = {n: compare_decode_steps(model, n, args.rounds, steps=8) for n in (16, 64)}
+    record = {
+        **machine_record(),
+        "load_average": [load_before, list(os.getloadavg())],
+        "model": str(args.model or DEFAULT_MODEL),
+        "overhead_share_64_seqs": shares,
+        "decode_steps": {
+            str(n): {
+                "eager_ms": r.eager_ms,
+                "traced_ms": r.traced_ms,
+                "speedups": r.speedups,
+                "identical": r.identical,
+            }
+            for n, r in steps.items()
+        },
+    }
+    print(f"share of a 64-sequence decode step outside every aten operator, {args.rounds} rounds")
+    for name, values in shares.items():
+        print(
+            f"  {name:<7} median {statistics.median(values):.1%}  rounds "
+            + ", ".join(f"{v:.1%}" for v in values)
+        )
+    for n, r in steps.items():
+        print(
+            f"decode step of {n} sequences: eager {statistics.median(r.eager_ms):.2f} ms, "
+            f"traced {statistics.median(r.traced_ms):.2f} ms; eager/traced per round "
+            + ", ".join(f"{s:.2f}" for s in r.speedups)
+            + f"; same tokens: {r.identical}"
+        )
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -48,3 +48,20 @@ def test_ratios_and_savings_are_per_round():
     )
     assert run.speedups == pytest.approx([1.25, 1.5, 1.0])
     assert run.saved_ms == pytest.approx(2.0)  # the median of 2, 4 and 0
+
+
+def test_the_ab_command_records_both_engines_rounds(tmp_path):
+    import json
+
+    from minillm.lab.trace_demo import main
+
+    model = build_tiny_llama(tmp_path / "model", max_position_embeddings=512)
+    out = tmp_path / "ab.json"
+    main(["--model", str(model), "--rounds", "2", "--json", str(out)])
+    record = json.loads(out.read_text())
+    shares = record["overhead_share_64_seqs"]
+    assert len(shares["eager"]) == len(shares["traced"]) == 2
+    assert all(0.0 <= v < 1.0 for v in shares["eager"] + shares["traced"])
+    for n in ("16", "64"):
+        steps = record["decode_steps"][n]
+        assert steps["identical"] and len(steps["eager_ms"]) == len(steps["speedups"]) == 2
