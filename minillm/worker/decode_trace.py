@@ -17,8 +17,10 @@ What a trace cannot see is a decision Python would take differently later. The r
 replays a trace only while nothing it fixed has changed (`DecodeTrace.can_run`): every
 module, parameter, child, attribute and attention-backend switch is the object it was, and
 no hook is set. After a change, the step runs eagerly, or under a new trace when the model
-can be traced as it now is: no hooks, no module with its own `forward` (timers and
-row-by-row layers are Python a trace would skip), no batch-invariant attention. Never traced
+can be traced as it now is: only the dense Llama modules (`TRACEABLE_MODULES`; a quantized
+layer decodes eagerly), no hooks, no module with its own `forward` (timers and row-by-row
+layers are Python a trace would skip), no batch-invariant attention. A trace that fails
+leaves the step, and every decode step until the model changes, to the eager forward. Never traced
 is what a trace does not record at all: LoRA adapters chosen per row, the routers of a
 mixture-of-experts model (their load counts and replays run in Python), an FP8 KV cache
 whose scales are calibrated on the first forward. `enforce_eager=True` turns it off, as it
@@ -40,7 +42,32 @@ import torch
 from torch import nn
 
 from minillm.model.attention import AttentionMetadata, TorchAttentionPlan
-from minillm.model.llama import FusedLinear, LlamaForCausalLM
+from minillm.model.llama import (
+    FusedLinear,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    RMSNorm,
+)
+
+# the modules whose forward is known to take no branch on a batch's size or values, so that
+# a trace of one decode batch holds for all (the tests check it, bit for bit); a model with
+# any other module (a quantized linear layer, a LoRA wrapper) decodes eagerly
+TRACEABLE_MODULES = frozenset(
+    {
+        LlamaForCausalLM,
+        LlamaModel,
+        LlamaDecoderLayer,
+        LlamaAttention,
+        LlamaMLP,
+        RMSNorm,
+        nn.Linear,
+        nn.Embedding,
+        nn.ModuleList,
+    }
+)
 
 
 def can_trace(model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> bool:
@@ -127,7 +154,8 @@ class DecodeTrace:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.traced: torch.jit.ScriptModule | None = None
-        self.snapshot: Snapshot | None = None
+        self.snapshot: Snapshot | None = None  # the model as the trace recorded it
+        self.refused: Snapshot | None = None  # the model as it was when tracing failed
         self.num_traces = 0  # traces made: the first, and one after each change of the model
         self.num_replays = 0  # decode steps a trace has run
 
@@ -139,8 +167,10 @@ class DecodeTrace:
             return False
         if torch.is_grad_enabled():
             return False
-        if self.traced is not None and self._unchanged():
+        if self.traced is not None and self._unchanged(self.snapshot):
             return True
+        if self.refused is not None and self._unchanged(self.refused):
+            return False  # tracing failed on the model as it still is
         if not self._traceable():
             return False
         self.traced = None  # the model changed in a way a new trace records
@@ -155,14 +185,22 @@ class DecodeTrace:
             # tracing runs the forward once: its cache writes are this step's, made again
             # (the same values to the same slots) by the replay below
             wrapper = _DecodeForward(self.model, meta.torch_plan, self.block_size)
-            with warnings.catch_warnings():
-                # torch.jit.trace is deprecated in favour of torch.compile and torch.export;
-                # see the module's docstring for why it is used here
-                warnings.simplefilter("ignore", torch.jit.TracerWarning)
-                warnings.simplefilter("ignore", DeprecationWarning)
-                self.traced = torch.jit.trace(
-                    wrapper, (*tensors, *self.kv_caches), check_trace=False
-                )
+            try:
+                with warnings.catch_warnings():
+                    # torch.jit.trace is deprecated in favour of torch.compile and
+                    # torch.export; see the module's docstring for why it is used here
+                    warnings.simplefilter("ignore", torch.jit.TracerWarning)
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    traced = torch.jit.trace(
+                        wrapper, (*tensors, *self.kv_caches), check_trace=False
+                    )
+            except Exception:
+                # an operator the tracer cannot record, or a fault while it ran: this step
+                # runs eagerly (a fault strikes again there), and so does every decode step
+                # until the model changes
+                self.refused = self._take_snapshot()
+                return self.model(input_ids, positions, self.kv_caches, meta)
+            self.traced, self.refused = traced, None
             self.snapshot = self._take_snapshot()
             self.num_traces += 1
         self.num_replays += 1
@@ -179,6 +217,8 @@ class DecodeTrace:
         if _global_hooks():
             return False
         for module in self.model.modules():
+            if type(module) not in TRACEABLE_MODULES:
+                return False
             if module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module):
                 return False
         for layer in self.model.model.layers:
@@ -208,13 +248,12 @@ class DecodeTrace:
             forwards=list({type(m): type(m).forward for m in modules}.items()),
         )
 
-    def _unchanged(self) -> bool:
+    def _unchanged(self, snapshot: Snapshot) -> bool:
         """Every module, parameter, child, attribute and attention switch the very object
-        it was when the trace was made, no table grown or shrunk, and no hook anywhere.
+        it was when `snapshot` was taken, no table grown or shrunk, and no hook anywhere.
         About 80 modules: a few tens of microseconds, against a millisecond saved."""
         if _global_hooks():
             return False
-        snapshot = self.snapshot
         for module in snapshot.modules:
             if module._forward_hooks or module._forward_pre_hooks:
                 return False

@@ -228,3 +228,40 @@ def _decode_meta(runner, engine):
         token_ids = [4]
 
     return prepare_inputs([Chunk()], runner.block_size, runner.device, [[4]]).meta
+
+
+def test_a_quantized_model_decodes_eagerly_with_the_same_tokens(model_dir):
+    from minillm.model.quantization import quantize_model
+
+    engines = [
+        LLMEngine(EngineArgs(model=model_dir, **BASE, enforce_eager=eager))
+        for eager in (False, True)
+    ]
+    for engine in engines:
+        quantize_model(engine.model_runner.model, "int8", 32, "rtn", None, True)
+    assert decode_steps(engines[0], [9, 8, 7], 10) == decode_steps(engines[1], [9, 8, 7], 10)
+    assert engines[0].model_runner.decode_trace.num_traces == 0
+
+
+def test_a_model_the_tracer_cannot_record_decodes_eagerly_until_it_changes(model_dir, monkeypatch):
+    engine = LLMEngine(EngineArgs(model=model_dir, **BASE))
+    eager = LLMEngine(EngineArgs(model=model_dir, **BASE, enforce_eager=True))
+    trace = engine.model_runner.decode_trace
+    attempts = []
+    real_trace = torch.jit.trace
+
+    def refuse(*args, **kwargs):
+        attempts.append(1)
+        raise RuntimeError("an operator the tracer cannot record")
+
+    monkeypatch.setattr(torch.jit, "trace", refuse)
+    assert decode_steps(engine, [5, 6, 7], 9) == decode_steps(eager, [5, 6, 7], 9)
+    assert len(attempts) == 1 and trace.num_traces == 0 and trace.num_replays == 0
+    monkeypatch.setattr(torch.jit, "trace", real_trace)
+    decode_steps(engine, [5, 6, 7], 4)
+    assert trace.num_traces == 0  # the same model: not tried again
+    for e in (engine, eager):
+        norm = e.model_runner.model.model.norm
+        norm.weight = nn.Parameter(norm.weight.detach() * 1.5)
+    assert decode_steps(engine, [5, 6, 7], 9) == decode_steps(eager, [5, 6, 7], 9)
+    assert trace.num_traces == 1 and trace.num_replays == 8

@@ -253,14 +253,16 @@ def test_a_batch_fault_before_the_copy_on_write_copies_is_redone_with_them(env):
 
 @pytest.mark.parametrize("where", ["tracing", "replay"])
 def test_a_fault_in_the_traced_decode_forward_costs_no_request_anything(env, where, monkeypatch):
-    """The first decode step fails while the forward is being traced, or a later one while
-    a trace replays: the batch is run again request by request (no request aborted), the
-    next steps trace or replay as before, the tokens are the solo engine's, and the engine
-    is left clean."""
+    """The first decode step fails while the forward is being traced: that step and the
+    later ones run eagerly. Or a later one fails while a trace replays: the batch is run
+    again request by request and the trace replays on. Either way no request is aborted,
+    the tokens are the solo engine's, and the engine is left clean."""
     import torch
 
     from minillm.worker import decode_trace
 
+    requests = {"greedy": ([5, 17, 42, 9, 77], GREEDY), "seeded": (list(range(20, 44)), SEEDED)}
+    solo = {rid: env.solo(prompt, params, None) for rid, (prompt, params) in requests.items()}
     engine = make_engine(env)
     trace = engine.model_runner.decode_trace
     assert trace is not None
@@ -285,11 +287,12 @@ def test_a_fault_in_the_traced_decode_forward_costs_no_request_anything(env, whe
             return replay(self, *args)
 
         monkeypatch.setattr(decode_trace.DecodeTrace, "run", replay_faulty)
-    requests = {"greedy": ([5, 17, 42, 9, 77], GREEDY), "seeded": (list(range(20, 44)), SEEDED)}
     final = run_all(engine, requests)
-    assert calls[0] >= (2 if where == "tracing" else 5)
-    for request_id, (prompt, params) in requests.items():
+    for request_id in requests:
         assert final[request_id].error is None, final[request_id].error
-        assert tokens(final[request_id]) == env.solo(prompt, params, None)
-    assert trace.num_traces == 1 and trace.num_replays > 5
+        assert tokens(final[request_id]) == solo[request_id]
+    if where == "tracing":
+        assert calls[0] == 1 and trace.num_traces == 0 and trace.refused is not None
+    else:
+        assert calls[0] >= 5 and trace.num_traces == 1 and trace.num_replays > 5
     assert_healthy(engine, env.fresh_probe("plain"), PROBE_PROMPT, PROBE_PARAMS)
