@@ -37,6 +37,15 @@ class TraceComparison:
         return statistics.median(e - t for e, t in zip(self.eager_ms, self.traced_ms, strict=True))
 
 
+def eager_and_traced(model: str | pathlib.Path, num_seqs: int) -> dict[str, LLMEngine]:
+    """Two float32 CPU engines on `model`, the first with `enforce_eager=True`."""
+    options = dict(model=model, device="cpu", dtype="float32", max_num_seqs=num_seqs)
+    return {
+        "eager": LLMEngine(EngineArgs(**options, enforce_eager=True)),
+        "traced": LLMEngine(EngineArgs(**options)),
+    }
+
+
 def compare_decode_steps(
     model: str | pathlib.Path,
     num_seqs: int = 16,
@@ -51,11 +60,7 @@ def compare_decode_steps(
 
     if threads is not None:
         torch.set_num_threads(threads)
-    options = dict(model=model, device="cpu", dtype="float32", max_num_seqs=num_seqs)
-    engines = {
-        "eager": LLMEngine(EngineArgs(**options, enforce_eager=True)),
-        "traced": LLMEngine(EngineArgs(**options)),
-    }
+    engines = eager_and_traced(model, num_seqs)
     vocab = engines["eager"].config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=rounds * steps + 4, ignore_eos=True)
     tokens = {name: {} for name in engines}
@@ -95,11 +100,7 @@ def overhead_share_rounds(
     from minillm.lab.bench import make_workload
     from minillm.lab.step_breakdown import python_overhead_share
 
-    options = dict(model=model, device="cpu", dtype="float32", max_num_seqs=num_seqs)
-    engines = {
-        "eager": LLMEngine(EngineArgs(**options, enforce_eager=True)),
-        "traced": LLMEngine(EngineArgs(**options)),
-    }
+    engines = eager_and_traced(model, num_seqs)
     specials = {0, 1, 2}  # the bundled tokenizer's BOS, EOS and PAD
     vocab = engines["eager"].config.vocab_size
     prompts = make_workload(num_seqs, (32, 256), (16, 128), vocab, specials, seed).prompts

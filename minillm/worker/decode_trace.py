@@ -20,8 +20,8 @@ no hook is set. After a change, the step runs eagerly, or under a new trace when
 can be traced as it now is: only the dense Llama modules (`TRACEABLE_MODULES`; a quantized
 layer decodes eagerly), no hooks, no module with its own `forward` (timers and row-by-row
 layers are Python a trace would skip), no batch-invariant attention. A trace that fails
-leaves the step, and every decode step until the model changes, to the eager forward. Never traced
-is what a trace does not record at all: LoRA adapters chosen per row, the routers of a
+leaves the step, and every decode step until the model changes, to the eager forward.
+Never traced is what a trace does not record at all: LoRA adapters chosen per row, the routers of a
 mixture-of-experts model (their load counts and replays run in Python), an FP8 KV cache
 whose scales are calibrated on the first forward. `enforce_eager=True` turns it off, as it
 turns off CUDA graphs.
@@ -211,9 +211,9 @@ class DecodeTrace:
         return [layer.self_attn.backend for layer in self.model.model.layers]
 
     def _traceable(self) -> bool:
-        """What a trace can record as it will run: no hooks, no module with its own
-        `forward`, every attention backend plain (not batch-invariant, no FP8 scales to
-        calibrate, its own `forward`), the fused projections themselves."""
+        """What a trace can record as it will run: only TRACEABLE_MODULES, no hooks, no
+        module with its own `forward`, every attention backend plain (not batch-invariant,
+        no FP8 scales to calibrate, its own `forward`), the fused projections themselves."""
         if _global_hooks():
             return False
         for module in self.model.modules():
