@@ -10,6 +10,7 @@ the models do on Python they never saw.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -237,6 +238,12 @@ def read_site_packages(
             continue
         documents.append(Document(path.relative_to(root).as_posix(), text))
     return documents
+
+
+def files_per_package(documents: list[Document]) -> dict[str, int]:
+    """How many of `documents` sit under each top-level directory (a module's file: itself)."""
+    counts = collections.Counter(d.path.split("/")[0].removesuffix(".py") for d in documents)
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
 # Chat turns as Python comments, the only dialogue the standard library's code contains;

@@ -25,6 +25,7 @@ from minillm.training.corpus import (
     FOREIGN_EXCLUDED,
     FOREIGN_FRACTION,
     FOREIGN_PACKAGES,
+    SITE_MAX_FILE_BYTES,
     build_foreign_set,
     installed_package,
 )
@@ -241,12 +242,33 @@ def measure(model_dir: pathlib.Path, target_dir: pathlib.Path | None = None) -> 
     return result
 
 
+def _site_packages_lines(corpus: dict) -> list[str]:
+    """The training data's second part, for a corpus built with `--site-packages`."""
+    if not corpus.get("site_packages"):
+        return []
+    per_package = corpus["site_packages_files_per_package"]
+    largest = ", ".join(f"{name} ({count:,})" for name, count in list(per_package.items())[:12])
+    return [
+        f"After it come {corpus['num_site_packages_files']:,} `.py` files, "
+        f"{corpus['num_site_packages_tokens'] / 1e6:.2f}M tokens, of the {len(per_package)} "
+        "top-level packages and modules installed in minillm's environment by `make install` "
+        "(its pinned "
+        f"dependencies and theirs), most files from {largest}. Each is distributed under its "
+        "own license. Left out: every file of the packages the foreign evaluation below uses, "
+        "with the copies other packages vendor and their metadata directories, so that "
+        "evaluation stays code the model never saw; files over "
+        f"{SITE_MAX_FILE_BYTES // 1000} KB (generated tables); files that are not UTF-8.",
+        "",
+    ]
+
+
 def render_card(summary: dict, evaluation: dict) -> str:
     spec, cfg, corpus = summary["spec"], summary["train_config"], summary["corpus"]
     role = "draft" if "draft" in summary["name"] else "target"
     budget = f" --time-budget-s {cfg['time_budget_s']:g}" if cfg["time_budget_s"] else ""
     autocast = " --bf16-autocast" if cfg.get("bf16_autocast") else ""
     steps = f" --max-steps {cfg['max_steps']}" if cfg["max_steps"] else ""
+    site = " --site-packages" if corpus.get("site_packages") else ""
     lines = [
         "---",
         "library_name: transformers",
@@ -257,8 +279,10 @@ def render_card(summary: dict, evaluation: dict) -> str:
         f"# {summary['name']}",
         "",
         f"A {summary['num_parameters'] / 1e6:.2f}M-parameter Llama-architecture model that "
-        "completes Python code, trained from scratch on the CPython standard library with "
-        f"minillm's own model code. It is minillm's bundled {role} model: small enough to ship "
+        "completes Python code, trained from scratch with minillm's own model code on the "
+        "CPython standard library"
+        + (" and the packages installed beside minillm" if corpus.get("site_packages") else "")
+        + f". It is minillm's bundled {role} model: small enough to ship "
         "inside the package and to run on a laptop CPU, big enough to write plausible Python. "
         "It is a teaching model, not a coding assistant.",
         "",
@@ -285,9 +309,11 @@ def render_card(summary: dict, evaluation: dict) -> str:
         "the first 8 bytes of the SHA-256 of its relative path, read as a fraction of 2^64, fall "
         f"below 0.02: {corpus['num_validation_files']} files. The training split has "
         f"{corpus['num_train_files']:,} files, {corpus['num_train_bytes'] / 1e6:.1f} MB, "
-        f"{corpus['num_train_tokens'] / 1e6:.2f}M tokens (each file is `<|bos|>` + text + "
-        "`<|eos|>`).",
+        f"{(corpus['num_train_tokens'] - corpus.get('num_site_packages_tokens', 0)) / 1e6:.2f}M "
+        "tokens (each file is `<|bos|>` + text + `<|eos|>`). The tokenizer is trained on this "
+        "split alone.",
         "",
+        *_site_packages_lines(corpus),
         "The standard library is distributed under the Python Software Foundation License "
         "Version 2 (Copyright (c) 2001 Python Software Foundation; All Rights Reserved). Much "
         "of it is the `test` package, whose style the model imitates.",
@@ -408,19 +434,24 @@ def render_card(summary: dict, evaluation: dict) -> str:
         "## Reproduce",
         "",
         "```",
-        f"python -m minillm.training.train fit --model {role}{budget}{steps}{autocast} --threads "
+        f"python -m minillm.training.train fit --model {role}{budget}{steps}{autocast}{site} "
+        "--threads "
         f"{summary['hardware']['threads']} --seed {cfg['seed']}",
         "python -m minillm.training.train card",
         "```",
         "",
-        "The run reads the standard library of the interpreter it runs on, so another Python "
-        "version gives another corpus. Under a wall-clock budget the number of steps depends "
+        "The run reads the standard library of the interpreter it runs on"
+        + (" and the packages installed beside it" if site else "")
+        + ", so another Python version"
+        + (" or another set of packages" if site else "")
+        + " gives another corpus. Under a wall-clock budget the number of steps depends "
         "on the machine; with `--max-steps` alone a run is deterministic.",
         "",
         "## Limitations",
         "",
-        "The model has seen only Python source, a few million tokens of it, with a 256-token "
-        "context. It repeats itself, invents APIs, and writes code that does not run. Do not "
+        f"The model has seen only Python source, {summary['tokens_seen'] / 1e6:.0f} million "
+        "tokens of it, with a 256-token context. It repeats itself, invents APIs, and writes "
+        "code that does not run. Do not "
         "use its output for anything but studying how an inference engine works.",
         "",
     ]

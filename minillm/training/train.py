@@ -148,6 +148,7 @@ def prepare_corpus(
             extra = {
                 "num_site_packages_files": len(site_docs),
                 "num_site_packages_tokens": int(len(site_tokens)),
+                "site_packages_files_per_package": corpus.files_per_package(site_docs),
             }
         np.save(work_dir / "train.npy", train_tokens)
         np.save(work_dir / "val.npy", val_tokens)

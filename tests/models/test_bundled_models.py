@@ -222,3 +222,20 @@ def test_greedy_generation_is_deterministic_and_matches_transformers(model_dir, 
                 prompt_ids, max_new_tokens=24, do_sample=False, eos_token_id=None
             )
         assert list(ids) == expected[0, prompt_ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_card_is_rendered_from_the_summary(name):
+    """Each README is `render_card` of its training_summary.json: no number is typed by hand,
+    and a card for a corpus with installed packages names them and how to reproduce it."""
+    from minillm.training.model_card import render_card
+
+    summary = json.loads((MODELS_DIR / name / "training_summary.json").read_text())
+    card = (MODELS_DIR / name / "README.md").read_text()
+    assert card == render_card(summary, summary["evaluation"])
+    corpus = summary["corpus"]
+    if corpus.get("site_packages"):
+        assert f"{corpus['num_site_packages_files']:,} `.py` files" in card
+        assert "--site-packages" in card
+        largest = next(iter(corpus["site_packages_files_per_package"]))
+        assert largest in card

@@ -60,6 +60,9 @@ def test_site_packages_leave_out_the_foreign_code_and_its_vendored_copies(tmp_pa
     only_click = corpus.read_site_packages(tmp_path, exclude={"click"})
     assert "attr/_make.py" in [d.path for d in only_click]
     assert "click/core.py" not in [d.path for d in only_click]
+    assert corpus.files_per_package(documents) == {"aaa": 1, "pkg": 1, "zlib_like": 1}
+    more = [corpus.Document(path, "") for path in ("z/a.py", "z/b/c.py", "y.py", "x/d.py")]
+    assert list(corpus.files_per_package(more).items()) == [("z", 2), ("x", 1), ("y", 1)]
 
 
 def test_a_cached_corpus_built_otherwise_is_refused(tmp_path):
