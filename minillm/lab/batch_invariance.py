@@ -29,6 +29,7 @@ from minillm.engine.args import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.lab.bench import machine_record
 from minillm.lab.kv_fp8_agreement import heldout_prompts
+from minillm.lab.recorded import weights_record
 from minillm.llm import LLM
 from minillm.sampling_params import SamplingParams
 
@@ -192,6 +193,7 @@ def record(dtype: str, repeats: int) -> dict:
     return {
         **machine_record(),
         "model": MODEL,
+        **weights_record(MODEL),
         "dtype": dtype,
         "attention_backend": "torch",
         "invariance": table,

@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from minillm.lab.bench import machine_record
+from minillm.lab.recorded import weights_record
 from minillm.llm import LLM
 from minillm.model.loader import resolve_model_path
 from minillm.model.perplexity import heldout_windows
@@ -137,6 +138,7 @@ def record(num_prompts: int, prompt_len: int, max_tokens: int, dtype: str) -> di
     return {
         **machine_record(),
         "model": MODEL,
+        **weights_record(MODEL),
         "dtype": dtype,
         "kv_cache_dtype": "fp8_e4m3",
         "prompts": {"source": "held-out windows", "num": num_prompts, "tokens": prompt_len},

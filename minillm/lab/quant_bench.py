@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.lab.bench import machine_record
+from minillm.lab.recorded import weights_record
 
 MODEL = "minillm-stdlib-target"
 RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -193,6 +194,7 @@ def record(results, windows, calibration, repeats, max_tokens, group_size, load=
     out = {
         **machine_record(),
         "model": MODEL,
+        **weights_record(MODEL),
         "heldout": {"num_windows": windows.shape[0], "window_len": windows.shape[1]},
         "calibration": {
             "num_windows": calibration.shape[0],

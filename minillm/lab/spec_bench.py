@@ -28,6 +28,7 @@ import statistics
 import time
 
 from minillm.lab.decoding import alpha_from_tokens_per_round, expected_accepted_length
+from minillm.lab.recorded import weights_record
 
 # Python code from the models' domain (the standard library's style)
 CODE_PROMPTS = [
@@ -114,6 +115,7 @@ def bench(args: argparse.Namespace) -> dict:
         **machine_record(),
         "target": "minillm-stdlib-target",
         "draft": "minillm-stdlib-draft",
+        **weights_record("minillm-stdlib-target", "minillm-stdlib-draft"),
         "dtype": args.dtype,
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
