@@ -29,12 +29,11 @@ from minillm.engine.args import EngineArgs
 from minillm.engine.llm_engine import LLMEngine
 from minillm.lab.bench import machine_record
 from minillm.lab.kv_fp8_agreement import heldout_prompts
-from minillm.lab.recorded import weights_record
+from minillm.lab.recorded import RESULTS_DIR, weights_record
 from minillm.llm import LLM
 from minillm.sampling_params import SamplingParams
 
 MODEL = "minillm-stdlib-target"
-RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 class LogitsProbe:

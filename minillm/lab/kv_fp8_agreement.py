@@ -26,14 +26,13 @@ import time
 from dataclasses import asdict, dataclass
 
 from minillm.lab.bench import machine_record
-from minillm.lab.recorded import weights_record
+from minillm.lab.recorded import RESULTS_DIR, weights_record
 from minillm.llm import LLM
 from minillm.model.loader import resolve_model_path
 from minillm.model.perplexity import heldout_windows
 from minillm.sampling_params import SamplingParams
 
 MODEL = "minillm-stdlib-target"
-RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,10 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from minillm.lab.bench import machine_record
-from minillm.lab.recorded import weights_record
+from minillm.lab.recorded import RESULTS_DIR, weights_record
 
 MODEL = "minillm-stdlib-target"
-RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 GOAL_RATIO = 0.5  # GPTQ's perplexity loss / RTN's perplexity loss, at most
 # what each `quantization=` option is, by the field's names
 FORMAT_NAMES = {"int8": "W8A16", "int4": "W4A16", "fp8": "FP8 weight-only", "w8a8": "W8A8"}

@@ -252,11 +252,10 @@ def _site_packages_lines(corpus: dict) -> list[str]:
         f"After it come {corpus['num_site_packages_files']:,} `.py` files, "
         f"{corpus['num_site_packages_tokens'] / 1e6:.2f}M tokens, of the {len(per_package)} "
         "top-level packages and modules installed in minillm's environment by `make install` "
-        "(its pinned "
-        f"dependencies and theirs), most files from {largest}. Each is distributed under its "
-        "own license. Left out: every file of the packages the foreign evaluation below uses, "
-        "with the copies other packages vendor and their metadata directories, so that "
-        "evaluation stays code the model never saw; files over "
+        f"(its pinned dependencies and theirs), most files from {largest}. Each is distributed "
+        "under its own license. Left out: every file of the packages the foreign evaluation "
+        "below uses, with the copies other packages vendor and their metadata directories, so "
+        "that evaluation stays code the model never saw; files over "
         f"{SITE_MAX_FILE_BYTES // 1000} KB (generated tables); files that are not UTF-8.",
         "",
     ]
@@ -281,7 +280,7 @@ def render_card(summary: dict, evaluation: dict) -> str:
         f"A {summary['num_parameters'] / 1e6:.2f}M-parameter Llama-architecture model that "
         "completes Python code, trained from scratch with minillm's own model code on the "
         "CPython standard library"
-        + (" and the packages installed beside minillm" if corpus.get("site_packages") else "")
+        + (" and the packages installed beside minillm" if site else "")
         + f". It is minillm's bundled {role} model: small enough to ship "
         "inside the package and to run on a laptop CPU, big enough to write plausible Python. "
         "It is a teaching model, not a coding assistant.",
