@@ -4,6 +4,10 @@
     python -m minillm.training.train fit --model draft --time-budget-s 600 --threads 2
     python -m minillm.training.train card        # measure both models, write README.md cards
 
+`--init-from DIR` continues from the weights of an earlier run (same shape, same tokenizer)
+under a fresh warmup + cosine schedule; the log, the step and token counts and the summary's
+`stages` carry on from that run's.
+
 `fit` prepares the corpus once (split, tokenizer, token streams) in `--work-dir`, trains
 one model with AdamW under a warmup + cosine schedule, and writes a Hugging Face-format
 directory: config.json, model.safetensors (bfloat16), tokenizer files, a loss log and a
@@ -15,18 +19,19 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import math
 import pathlib
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from minillm.model.config import ModelConfig
@@ -219,8 +224,64 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def fit(spec: ModelSpec, cfg: TrainConfig, data: CorpusData, out_dir: pathlib.Path) -> dict:
-    """Train one model and write its Hugging Face directory; returns the training summary."""
+def load_earlier_run(
+    model: LlamaForCausalLM, config: ModelConfig, data: CorpusData, run_dir: pathlib.Path
+) -> dict:
+    """Load the weights of the run in `run_dir` into `model`, to train on from them.
+
+    The run must have this model's shape and this corpus's tokenizer. Returns its summary,
+    with its log rows under "log_rows" and its weights' SHA-256 under "weights_sha256".
+    """
+    if (run_dir / "tokenizer.json").read_text() != data.tokenizer_path.read_text():
+        raise ValueError(f"{run_dir} was trained with another tokenizer than this corpus's")
+    written = json.loads((run_dir / "config.json").read_text())
+    written.pop("pad_token_id", None)
+    expected = json.loads(json.dumps(config.to_hf_config()))
+    if written != expected:
+        diff = sorted(
+            k for k in expected.keys() | written.keys() if written.get(k) != expected.get(k)
+        )
+        raise ValueError(f"{run_dir} holds a model of another shape (differs in {diff})")
+    state = {
+        name: tensor.float() for name, tensor in load_file(run_dir / "model.safetensors").items()
+    }
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    allowed = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if unexpected or set(missing) - allowed:
+        raise ValueError(f"{run_dir}: missing {missing}, unexpected {unexpected} weights")
+    summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    summary["weights_sha256"] = hashlib.sha256(
+        (run_dir / "model.safetensors").read_bytes()
+    ).hexdigest()
+    with (run_dir / "training_log.csv").open() as f:
+        summary["log_rows"] = list(csv.DictReader(f))
+    return summary
+
+
+def stage_record(summary: dict) -> dict:
+    """One stage of a summary that predates `stages`: the run as a single stage."""
+    return {
+        "init_from_sha256": None,
+        "steps": summary["steps"],
+        "tokens_seen": summary["tokens_seen"],
+        "train_time_s": summary["train_time_s"],
+        "learning_rate": summary["spec"]["learning_rate"],
+        "train_config": summary["train_config"],
+    }
+
+
+def fit(
+    spec: ModelSpec,
+    cfg: TrainConfig,
+    data: CorpusData,
+    out_dir: pathlib.Path,
+    init_from: pathlib.Path | None = None,
+) -> dict:
+    """Train one model and write its Hugging Face directory; returns the training summary.
+
+    With `init_from`, training starts from that run's weights instead of a random init, and
+    the log and the totals continue that run's.
+    """
     if cfg.max_steps is None and cfg.time_budget_s is None:
         raise ValueError("give --max-steps, --time-budget-s, or both")
     torch.set_num_threads(cfg.threads)
@@ -229,6 +290,7 @@ def fit(spec: ModelSpec, cfg: TrainConfig, data: CorpusData, out_dir: pathlib.Pa
     config = model_config(spec, tokenizer)
     model = LlamaForCausalLM(config)
     init_weights(model, spec.num_hidden_layers)
+    earlier = load_earlier_run(model, config, data, init_from) if init_from else None
     params = list(model.parameters())  # tied embeddings appear once
     optimizer = torch.optim.AdamW(
         [
@@ -246,6 +308,10 @@ def fit(spec: ModelSpec, cfg: TrainConfig, data: CorpusData, out_dir: pathlib.Pa
     log_file = log_path.open("w", newline="")
     log = csv.DictWriter(log_file, fieldnames=fields)
     log.writeheader()
+    step0, tokens0, time0 = 0, 0, 0.0  # where the earlier run left off
+    if earlier is not None:
+        log.writerows(earlier["log_rows"])
+        step0, tokens0, time0 = earlier["steps"], earlier["tokens_seen"], earlier["train_time_s"]
 
     step, tokens_seen, recent_losses = 0, 0, []
     start = time.perf_counter()
@@ -276,9 +342,9 @@ def fit(spec: ModelSpec, cfg: TrainConfig, data: CorpusData, out_dir: pathlib.Pa
         recent_losses.append(loss.item())
         if step % cfg.log_interval_steps == 0 or step % cfg.eval_interval_steps == 0:
             row = {
-                "step": step,
-                "elapsed_s": round(time.perf_counter() - start, 2),
-                "tokens_seen": tokens_seen,
+                "step": step0 + step,
+                "elapsed_s": round(time0 + time.perf_counter() - start, 2),
+                "tokens_seen": tokens0 + tokens_seen,
                 "learning_rate": f"{lr:.6g}",
                 "train_loss": round(sum(recent_losses) / len(recent_losses), 4),
                 "heldout_loss": "",
@@ -293,9 +359,9 @@ def fit(spec: ModelSpec, cfg: TrainConfig, data: CorpusData, out_dir: pathlib.Pa
     final_heldout = heldout_loss(model, data.heldout)
     log.writerow(
         {
-            "step": step,
-            "elapsed_s": round(train_time_s, 2),
-            "tokens_seen": tokens_seen,
+            "step": step0 + step,
+            "elapsed_s": round(time0 + train_time_s, 2),
+            "tokens_seen": tokens0 + tokens_seen,
             "learning_rate": "",
             "train_loss": round(sum(recent_losses) / len(recent_losses), 4)
             if recent_losses
@@ -307,15 +373,27 @@ def fit(spec: ModelSpec, cfg: TrainConfig, data: CorpusData, out_dir: pathlib.Pa
 
     save_model_dir(model, config, data, out_dir)
     plot_loss_curve(log_path, out_dir / "loss_curve.png", spec.name)
+    stage = {
+        "init_from_sha256": earlier["weights_sha256"] if earlier else None,
+        "steps": step,
+        "tokens_seen": tokens_seen,
+        "train_time_s": round(train_time_s, 1),
+        "learning_rate": spec.learning_rate,
+        "train_config": asdict(cfg),
+    }
+    stages = [stage]
+    if earlier is not None:
+        stages = earlier.get("stages", [stage_record(earlier)]) + stages
     summary = {
         "name": spec.name,
         "spec": asdict(spec),
         "train_config": asdict(cfg),
         "num_parameters": sum(p.numel() for p in params),
-        "steps": step,
-        "tokens_seen": tokens_seen,
-        "train_time_s": round(train_time_s, 1),
-        "tokens_per_s": round(tokens_seen / train_time_s, 1),
+        "steps": step0 + step,
+        "tokens_seen": tokens0 + tokens_seen,
+        "train_time_s": round(time0 + train_time_s, 1),
+        "tokens_per_s": round(tokens_seen / train_time_s, 1),  # this stage's
+        "stages": stages,
         "heldout_loss_float32_weights": round(final_heldout, 4),
         "hardware": {"cpu": cpu_model_name(), "threads": cfg.threads},
         "software": {
@@ -409,6 +487,15 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="train also on the installed packages' code, except the foreign evaluation set",
     )
+    fit_parser.add_argument(
+        "--init-from",
+        type=pathlib.Path,
+        default=None,
+        help="continue from the weights of an earlier run's directory (one --model only)",
+    )
+    fit_parser.add_argument(
+        "--peak-lr", type=float, default=None, help="peak learning rate (default: the model's)"
+    )
     fit_parser.add_argument("--out-dir", type=pathlib.Path, default=MODELS_DIR)
     fit_parser.add_argument("--work-dir", type=pathlib.Path, default=DEFAULT_WORK_DIR)
     card_parser = sub.add_parser("card", help="measure both models and write their cards")
@@ -422,6 +509,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
         write_cards(args.out_dir / SPECS["target"].name, args.out_dir / SPECS["draft"].name)
         return
+    if args.init_from is not None and args.model == "both":
+        parser.error("--init-from continues one model: give --model target or --model draft")
     cfg = TrainConfig(
         max_steps=args.max_steps,
         time_budget_s=args.time_budget_s,
@@ -433,7 +522,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"corpus: {data.manifest['corpus']}, {len(data.train_tokens)} train tokens", flush=True)
     for which in ["target", "draft"] if args.model == "both" else [args.model]:
         spec = SPECS[which]
-        summary = fit(spec, cfg, data, args.out_dir / spec.name)
+        if args.peak_lr is not None:
+            spec = replace(spec, learning_rate=args.peak_lr)
+        summary = fit(spec, cfg, data, args.out_dir / spec.name, init_from=args.init_from)
         print(json.dumps({k: summary[k] for k in ("name", "steps", "tokens_seen")}), flush=True)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
+import hashlib
 import json
 import math
 import pathlib
@@ -155,3 +157,52 @@ def test_fit_learns_and_writes_a_loadable_directory(tiny_corpus, tmp_path):
 def test_fit_needs_a_budget(tiny_corpus, tmp_path):
     with pytest.raises(ValueError, match="max-steps"):
         train.fit(TINY_SPEC, train.TrainConfig(), tiny_corpus, tmp_path)
+
+
+def test_fit_continues_an_earlier_run(tiny_corpus, tmp_path):
+    cfg = train.TrainConfig(
+        seq_len=16, batch_size=8, max_steps=20, warmup_steps=5, eval_interval_steps=10, threads=1
+    )
+    first = train.fit(TINY_SPEC, cfg, tiny_corpus, tmp_path / "a")
+    # at a zero learning rate AdamW moves nothing: the continued weights are the loaded ones
+    frozen = dataclasses.replace(TINY_SPEC, learning_rate=0.0)
+    still = train.fit(frozen, cfg, tiny_corpus, tmp_path / "b", init_from=tmp_path / "a")
+    assert (tmp_path / "b" / "model.safetensors").read_bytes() == (
+        tmp_path / "a" / "model.safetensors"
+    ).read_bytes()
+    assert still["heldout_loss_float32_weights"] == pytest.approx(
+        first["heldout_loss_float32_weights"], abs=1e-3
+    )
+    more = dataclasses.replace(cfg, max_steps=10, seed=1)
+    second = train.fit(TINY_SPEC, more, tiny_corpus, tmp_path / "c", init_from=tmp_path / "a")
+    assert second["steps"] == 30
+    assert second["tokens_seen"] == 30 * 8 * 16
+    assert second["train_time_s"] >= first["train_time_s"]
+    sha = hashlib.sha256((tmp_path / "a" / "model.safetensors").read_bytes()).hexdigest()
+    assert [(s["steps"], s["init_from_sha256"]) for s in second["stages"]] == [
+        (20, None),
+        (10, sha),
+    ]
+    assert second["stages"][1]["train_config"]["seed"] == 1
+    with (tmp_path / "c" / "training_log.csv").open() as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f)]
+    assert steps == [10, 20, 20, 30, 30]  # the earlier log, then this run's, counted on
+    # started from trained weights, the first logged loss is far below a fresh start's
+    with (tmp_path / "a" / "training_log.csv").open() as f:
+        fresh_first = float(next(csv.DictReader(f))["train_loss"])
+    with (tmp_path / "c" / "training_log.csv").open() as f:
+        continued_first = float(list(csv.DictReader(f))[3]["train_loss"])
+    assert continued_first < fresh_first - 0.5
+
+
+def test_fit_refuses_to_continue_another_shape_or_tokenizer(tiny_corpus, tmp_path):
+    cfg = train.TrainConfig(seq_len=16, batch_size=8, max_steps=2, warmup_steps=1, threads=1)
+    train.fit(TINY_SPEC, cfg, tiny_corpus, tmp_path / "a")
+    wider = dataclasses.replace(TINY_SPEC, intermediate_size=TINY_SPEC.intermediate_size * 2)
+    with pytest.raises(ValueError, match="another shape.*intermediate_size"):
+        train.fit(wider, cfg, tiny_corpus, tmp_path / "b", init_from=tmp_path / "a")
+    other = corpus.train_tokenizer([corpus.Document("z.py", "y = 2\n" * 50)], vocab_size=300)
+    corpus.write_tokenizer_files(other, tmp_path / "tok")
+    renamed = dataclasses.replace(tiny_corpus, tokenizer_path=tmp_path / "tok" / "tokenizer.json")
+    with pytest.raises(ValueError, match="another tokenizer"):
+        train.fit(TINY_SPEC, cfg, renamed, tmp_path / "b", init_from=tmp_path / "a")
