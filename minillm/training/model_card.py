@@ -29,6 +29,7 @@ from minillm.training.corpus import (
     build_foreign_set,
     installed_package,
 )
+from minillm.training.train import stage_record
 
 SUMMARY_FILE = "training_summary.json"
 HELDOUT_FILE = "heldout_tokens.json"
@@ -261,12 +262,61 @@ def _site_packages_lines(corpus: dict) -> list[str]:
     ]
 
 
+def _fit_commands(summary: dict, role: str, site: str) -> list[str]:
+    """The `fit` command of each training stage; a later stage continues the one before."""
+    stages = summary.get("stages") or [stage_record(summary)]
+    commands = []
+    for number, stage in enumerate(stages, 1):
+        cfg = stage["train_config"]
+        budget = f" --time-budget-s {cfg['time_budget_s']:g}" if cfg["time_budget_s"] else ""
+        steps = f" --max-steps {cfg['max_steps']}" if cfg["max_steps"] else ""
+        autocast = " --bf16-autocast" if cfg.get("bf16_autocast") else ""
+        extra = ""
+        if number > 1:
+            extra = (
+                f" --init-from stage{number - 1}/{summary['name']} "
+                f"--peak-lr {stage['learning_rate']:g}"
+            )
+        out = f" --out-dir stage{number}" if number < len(stages) else ""
+        commands.append(
+            f"python -m minillm.training.train fit --model {role}{budget}{steps}{autocast}{site}"
+            f" --threads {cfg['threads']} --seed {cfg['seed']}{extra}{out}"
+        )
+    return commands
+
+
+def _schedule_rows(summary: dict) -> list[str]:
+    """The time, steps, schedule and seed rows of the training table, one run or several."""
+    spec, cfg = summary["spec"], summary["train_config"]
+    stages = summary.get("stages") or [stage_record(summary)]
+    batch = f"of {cfg['batch_size']} x {cfg['seq_len']} tokens"
+    if len(stages) == 1:
+        return [
+            f"| wall-clock time | {summary['train_time_s'] / 60:.1f} min |",
+            f"| steps | {summary['steps']:,} {batch} |",
+            f"| schedule | peak learning rate {spec['learning_rate']:g}, "
+            f"{cfg['warmup_steps']} warmup steps, cosine to {cfg['min_lr_ratio']:g} x peak "
+            "over the budget |",
+            f"| seed | {cfg['seed']} |",
+        ]
+    minutes = " + ".join(f"{s['train_time_s'] / 60:.1f}" for s in stages)
+    steps = " + ".join(f"{s['steps']:,}" for s in stages)
+    peaks = ", ".join(f"{s['learning_rate']:g}" for s in stages)
+    seeds = ", ".join(str(s["train_config"]["seed"]) for s in stages)
+    return [
+        f"| wall-clock time | {summary['train_time_s'] / 60:.1f} min ({minutes}) |",
+        f"| steps | {summary['steps']:,} ({steps}) {batch} |",
+        f"| schedule | {len(stages)} stages, each starting from the weights the one before "
+        "ended with (AdamW's moments start again at zero); each has "
+        f"{cfg['warmup_steps']} warmup steps, then cosine to {cfg['min_lr_ratio']:g} x its "
+        f"peak over its budget; peak learning rates {peaks} |",
+        f"| seed | {seeds} (the batch order of each stage) |",
+    ]
+
+
 def render_card(summary: dict, evaluation: dict) -> str:
     spec, cfg, corpus = summary["spec"], summary["train_config"], summary["corpus"]
     role = "draft" if "draft" in summary["name"] else "target"
-    budget = f" --time-budget-s {cfg['time_budget_s']:g}" if cfg["time_budget_s"] else ""
-    autocast = " --bf16-autocast" if cfg.get("bf16_autocast") else ""
-    steps = f" --max-steps {cfg['max_steps']}" if cfg["max_steps"] else ""
     site = " --site-packages" if corpus.get("site_packages") else ""
     lines = [
         "---",
@@ -327,16 +377,13 @@ def render_card(summary: dict, evaluation: dict) -> str:
         + ("bfloat16 matmuls (autocast) |" if cfg.get("bf16_autocast") else "float32 matmuls |"),
         f"| software | Python {summary['software']['python']}, "
         f"PyTorch {summary['software']['torch']} |",
-        f"| wall-clock time | {summary['train_time_s'] / 60:.1f} min |",
-        f"| steps | {summary['steps']:,} of {cfg['batch_size']} x {cfg['seq_len']} tokens |",
+        *_schedule_rows(summary)[:2],
         f"| tokens seen | {summary['tokens_seen'] / 1e6:.2f}M "
         f"({summary['tokens_seen'] / corpus['num_train_tokens']:.2f} epochs), "
         f"{summary['tokens_per_s']:,.0f} tokens/s |",
         f"| optimizer | AdamW, betas (0.9, 0.95), weight decay {cfg['weight_decay']}, "
         f"gradient clip {cfg['grad_clip']} |",
-        f"| schedule | peak learning rate {spec['learning_rate']:g}, {cfg['warmup_steps']} "
-        f"warmup steps, cosine to {cfg['min_lr_ratio']:g} x peak over the budget |",
-        f"| seed | {cfg['seed']} |",
+        *_schedule_rows(summary)[2:],
         "",
         "![loss curve](loss_curve.png)",
         "",
@@ -433,9 +480,7 @@ def render_card(summary: dict, evaluation: dict) -> str:
         "## Reproduce",
         "",
         "```",
-        f"python -m minillm.training.train fit --model {role}{budget}{steps}{autocast}{site} "
-        "--threads "
-        f"{summary['hardware']['threads']} --seed {cfg['seed']}",
+        *_fit_commands(summary, role, site),
         "python -m minillm.training.train card",
         "```",
         "",

@@ -169,3 +169,32 @@ def test_the_bundled_foreign_set_is_rebuilt_from_the_pinned_packages():
     sources = [corpus.installed_package(n, m) for n, m in corpus.FOREIGN_PACKAGES.items()]
     rebuilt = corpus.build_foreign_set(Tokenizer(model_dir).backend, sources, 64, 257)
     assert rebuilt == foreign
+
+
+def test_a_card_of_two_stages_names_both_and_reproduces_them_in_order():
+    from minillm.training.model_card import render_card
+
+    summary_path = BUNDLED_MODELS_DIR / "minillm-stdlib-target" / "training_summary.json"
+    summary = json.loads(summary_path.read_text())
+    first_cfg = dict(summary["train_config"], time_budget_s=4500.0, seed=0)
+    second_cfg = dict(summary["train_config"], time_budget_s=3000.0, seed=1)
+    summary["train_config"] = second_cfg
+    summary["steps"], summary["train_time_s"] = 8000, 7500.0
+    summary["stages"] = [
+        {"init_from_sha256": None, "steps": 5000, "tokens_seen": 1, "train_time_s": 4500.0,
+         "learning_rate": 0.002, "train_config": first_cfg},
+        {"init_from_sha256": "ab" * 32, "steps": 3000, "tokens_seen": 1, "train_time_s": 3000.0,
+         "learning_rate": 0.001, "train_config": second_cfg},
+    ]  # fmt: skip
+    card = render_card(summary, summary["evaluation"])
+    assert "| wall-clock time | 125.0 min (75.0 + 50.0) |" in card
+    assert "| steps | 8,000 (5,000 + 3,000) of 16 x 256 tokens |" in card
+    assert "2 stages" in card and "peak learning rates 0.002, 0.001 |" in card
+    assert "| seed | 0, 1 (the batch order of each stage) |" in card
+    fits = [line for line in card.splitlines() if line.startswith("python -m") and " fit " in line]
+    assert len(fits) == 2
+    assert "--time-budget-s 4500" in fits[0] and "--seed 0" in fits[0]
+    assert fits[0].endswith("--out-dir stage1") and "--init-from" not in fits[0]
+    assert "--time-budget-s 3000" in fits[1] and "--seed 1" in fits[1]
+    assert "--init-from stage1/minillm-stdlib-target --peak-lr 0.001" in fits[1]
+    assert "--out-dir" not in fits[1]
