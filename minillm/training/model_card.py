@@ -29,7 +29,6 @@ from minillm.training.corpus import (
     build_foreign_set,
     installed_package,
 )
-from minillm.training.train import stage_record
 
 SUMMARY_FILE = "training_summary.json"
 HELDOUT_FILE = "heldout_tokens.json"
@@ -260,6 +259,18 @@ def _site_packages_lines(corpus: dict) -> list[str]:
         f"{SITE_MAX_FILE_BYTES // 1000} KB (generated tables); files that are not UTF-8.",
         "",
     ]
+
+
+def stage_record(summary: dict) -> dict:
+    """One stage of a summary that predates `stages`: the run as a single stage."""
+    return {
+        "init_from_sha256": None,
+        "steps": summary["steps"],
+        "tokens_seen": summary["tokens_seen"],
+        "train_time_s": summary["train_time_s"],
+        "learning_rate": summary["spec"]["learning_rate"],
+        "train_config": summary["train_config"],
+    }
 
 
 def _fit_commands(summary: dict, role: str, site: str) -> list[str]:

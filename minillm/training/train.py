@@ -37,6 +37,7 @@ from tokenizers import Tokenizer
 from minillm.model.config import ModelConfig
 from minillm.model.llama import LlamaForCausalLM
 from minillm.training import corpus
+from minillm.training.model_card import stage_record
 
 MODELS_DIR = pathlib.Path(__file__).parent.parent / "bundled"
 DEFAULT_WORK_DIR = pathlib.Path.home() / ".cache" / "minillm" / "stdlib-corpus"
@@ -256,18 +257,6 @@ def load_earlier_run(
     with (run_dir / "training_log.csv").open() as f:
         summary["log_rows"] = list(csv.DictReader(f))
     return summary
-
-
-def stage_record(summary: dict) -> dict:
-    """One stage of a summary that predates `stages`: the run as a single stage."""
-    return {
-        "init_from_sha256": None,
-        "steps": summary["steps"],
-        "tokens_seen": summary["tokens_seen"],
-        "train_time_s": summary["train_time_s"],
-        "learning_rate": summary["spec"]["learning_rate"],
-        "train_config": summary["train_config"],
-    }
 
 
 def fit(
