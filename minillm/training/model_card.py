@@ -329,6 +329,7 @@ def render_card(summary: dict, evaluation: dict) -> str:
     spec, cfg, corpus = summary["spec"], summary["train_config"], summary["corpus"]
     role = "draft" if "draft" in summary["name"] else "target"
     site = " --site-packages" if corpus.get("site_packages") else ""
+    schedule = _schedule_rows(summary)
     lines = [
         "---",
         "library_name: transformers",
@@ -388,13 +389,13 @@ def render_card(summary: dict, evaluation: dict) -> str:
         + ("bfloat16 matmuls (autocast) |" if cfg.get("bf16_autocast") else "float32 matmuls |"),
         f"| software | Python {summary['software']['python']}, "
         f"PyTorch {summary['software']['torch']} |",
-        *_schedule_rows(summary)[:2],
+        *schedule[:2],
         f"| tokens seen | {summary['tokens_seen'] / 1e6:.2f}M "
         f"({summary['tokens_seen'] / corpus['num_train_tokens']:.2f} epochs), "
         f"{summary['tokens_per_s']:,.0f} tokens/s |",
         f"| optimizer | AdamW, betas (0.9, 0.95), weight decay {cfg['weight_decay']}, "
         f"gradient clip {cfg['grad_clip']} |",
-        *_schedule_rows(summary)[2:],
+        *schedule[2:],
         "",
         "![loss curve](loss_curve.png)",
         "",

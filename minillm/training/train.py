@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import json
 import math
 import pathlib
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from minillm.lab.recorded import weights_fingerprint
 from minillm.model.config import ModelConfig
 from minillm.model.llama import LlamaForCausalLM
 from minillm.training import corpus
@@ -251,9 +251,7 @@ def load_earlier_run(
     if unexpected or set(missing) - allowed:
         raise ValueError(f"{run_dir}: missing {missing}, unexpected {unexpected} weights")
     summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-    summary["weights_sha256"] = hashlib.sha256(
-        (run_dir / "model.safetensors").read_bytes()
-    ).hexdigest()
+    summary["weights_sha256"] = weights_fingerprint(run_dir)
     with (run_dir / "training_log.csv").open() as f:
         summary["log_rows"] = list(csv.DictReader(f))
     return summary
