@@ -10,6 +10,7 @@ the models do on Python they never saw.
 
 from __future__ import annotations
 
+import ast
 import collections
 import hashlib
 import importlib.metadata
@@ -65,6 +66,50 @@ def read_stdlib(root: pathlib.Path | None = None) -> list[Document]:
     if not documents:
         raise ValueError(f"no .py files found under {root}; expected a standard library directory")
     return documents
+
+
+DOCSTRING_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def docstring_nodes(tree: ast.Module) -> list[tuple[ast.AST, ast.Expr]]:
+    """(owner, docstring statement) for the module and every class and function in it."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, DOCSTRING_OWNERS) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                if isinstance(first.value.value, str):
+                    found.append((node, first))
+    return found
+
+
+def without_docstrings(text: str) -> str:
+    """`text` with the docstrings of its module, classes and functions cut out.
+
+    A docstring's lines go; a body that held nothing else gets `pass` at the docstring's
+    indentation, so the code still parses. Comments and every other line stay byte for
+    byte. Left as they are: a file that does not parse, a file with carriage returns, and a
+    docstring that shares a line with other code (`def f(): "doc"`).
+    """
+    if "\r" in text:
+        return text
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return text
+    lines = text.split("\n")
+    cuts = []
+    for owner, doc in docstring_nodes(tree):
+        first, last = doc.lineno - 1, doc.end_lineno - 1
+        before = lines[first].encode()[: doc.col_offset].decode()  # offsets count UTF-8 bytes
+        after = lines[last].encode()[doc.end_col_offset :].decode()
+        if before.strip() or after.strip():
+            continue
+        keep = [f"{before}pass"] if len(owner.body) == 1 else []
+        cuts.append((first, last, keep))
+    for first, last, keep in sorted(cuts, reverse=True):
+        lines[first : last + 1] = keep
+    return "\n".join(lines)
 
 
 def is_validation(path: str, validation_fraction: float) -> bool:

@@ -120,38 +120,51 @@ def prepare_corpus(
     seq_len: int,
     num_heldout_windows: int = 64,
     site_packages: bool = False,
+    no_docstrings: bool = False,
 ):
     """Split the standard library, train the tokenizer, encode both splits; cached in work_dir.
 
     With `site_packages`, the installed packages' code (`corpus.read_site_packages`, which
     leaves out the foreign evaluation packages) joins the training split after the standard
-    library's. The tokenizer and the held-out split stay the standard library's alone.
+    library's. With `no_docstrings`, the training split's text loses its docstrings
+    (`corpus.without_docstrings`). Either way the tokenizer and the held-out split stay those
+    of the standard library as it is.
     """
     manifest_path = work_dir / "manifest.json"
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
-        if manifest.get("site_packages", False) != site_packages:
-            raise ValueError(
-                f"{work_dir} holds a corpus built with site_packages="
-                f"{manifest.get('site_packages', False)}; use another --work-dir"
-            )
+        for key, wanted in [("site_packages", site_packages), ("no_docstrings", no_docstrings)]:
+            if manifest.get(key, False) != wanted:
+                raise ValueError(
+                    f"{work_dir} holds a corpus built with {key}="
+                    f"{manifest.get(key, False)}; use another --work-dir"
+                )
     else:
         work_dir.mkdir(parents=True, exist_ok=True)
         documents = corpus.read_stdlib()
         train_docs, val_docs = corpus.split_documents(documents)
         tokenizer = corpus.train_tokenizer(train_docs)
         corpus.write_tokenizer_files(tokenizer, work_dir)
-        train_tokens = corpus.encode_documents(tokenizer, train_docs)
         val_tokens = corpus.encode_documents(tokenizer, val_docs)
         description = corpus.corpus_description()
         extra = {}
+        if no_docstrings:
+            stripped = [
+                corpus.Document(d.path, corpus.without_docstrings(d.text)) for d in train_docs
+            ]
+            removed = sum(len(d.text.encode()) for d in train_docs)
+            train_docs = stripped
+            removed -= sum(len(d.text.encode()) for d in train_docs)
+            description += ", docstrings removed"
+            extra["num_docstring_bytes_removed"] = removed
+        train_tokens = corpus.encode_documents(tokenizer, train_docs)
         if site_packages:
             site_docs = corpus.read_site_packages()
             site_tokens = corpus.encode_documents(tokenizer, site_docs)
             train_tokens = np.concatenate([train_tokens, site_tokens])
             site_root = corpus.site_packages_root()
             description += f" + {len(site_docs)} files of the installed packages ({site_root})"
-            extra = {
+            extra |= {
                 "num_site_packages_files": len(site_docs),
                 "num_site_packages_tokens": int(len(site_tokens)),
                 "site_packages_files_per_package": corpus.files_per_package(site_docs),
@@ -161,6 +174,7 @@ def prepare_corpus(
         manifest = {
             "corpus": description,
             "site_packages": site_packages,
+            "no_docstrings": no_docstrings,
             **extra,
             "python_version": platform.python_version(),
             "num_files": len(documents),
@@ -475,6 +489,12 @@ def main(argv: list[str] | None = None) -> None:
         help="train also on the installed packages' code, except the foreign evaluation set",
     )
     fit_parser.add_argument(
+        "--no-docstrings",
+        action="store_true",
+        help="train on the code with its docstrings cut out (the tokenizer and the held-out "
+        "split keep them)",
+    )
+    fit_parser.add_argument(
         "--init-from",
         type=pathlib.Path,
         default=None,
@@ -505,7 +525,12 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads,
         bf16_autocast=args.bf16_autocast,
     )
-    data = prepare_corpus(args.work_dir, cfg.seq_len, site_packages=args.site_packages)
+    data = prepare_corpus(
+        args.work_dir,
+        cfg.seq_len,
+        site_packages=args.site_packages,
+        no_docstrings=args.no_docstrings,
+    )
     print(f"corpus: {data.manifest['corpus']}, {len(data.train_tokens)} train tokens", flush=True)
     for which in ["target", "draft"] if args.model == "both" else [args.model]:
         spec = SPECS[which]

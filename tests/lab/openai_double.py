@@ -101,8 +101,11 @@ class OpenAIDouble:
         async def stream():
             if config.serial:
                 await self._lock.acquire()
-            self.state.in_flight += 1
-            self.state.max_in_flight = max(self.state.max_in_flight, self.state.in_flight)
+            # the state of the test that sent this request: a stream of an earlier test that is
+            # still closing must not count against the state a later reset() made
+            state = self.state
+            state.in_flight += 1
+            state.max_in_flight = max(state.max_in_flight, state.in_flight)
             try:
                 n = payload["max_tokens"]
                 per = config.tokens_per_chunk
@@ -127,7 +130,7 @@ class OpenAIDouble:
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
-                self.state.in_flight -= 1
+                state.in_flight -= 1
                 if config.serial:
                     self._lock.release()
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import csv
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import pathlib
+import tokenize
 
 import numpy as np
 import pytest
@@ -65,6 +68,110 @@ def test_site_packages_leave_out_the_foreign_code_and_its_vendored_copies(tmp_pa
     assert corpus.files_per_package(documents) == {"aaa": 1, "pkg": 1, "zlib_like": 1}
     more = [corpus.Document(path, "") for path in ("z/a.py", "z/b/c.py", "y.py", "x/d.py")]
     assert list(corpus.files_per_package(more).items()) == [("z", 2), ("x", 1), ("y", 1)]
+
+
+DOCUMENTED = '''"""Module docstring."""
+import os  # a comment stays
+
+
+class Empty:
+    """Only a docstring: the body becomes pass."""
+
+
+class Point:
+    r"""Two lines,
+    one with caf\u00e9 in it."""
+
+    def norm(self) -> float:
+        'A method.'
+        return (self.x**2 + self.y**2) ** 0.5
+
+    async def wait(self):
+        "Short."
+        def inner():
+            """Nested."""
+            return "not a docstring"
+        "a later string is not a docstring"
+        return inner()
+
+
+def one_line(): "shares its line, so it stays"
+def with_comment():
+    """Then a comment."""  # on the same line: stays
+    return 1
+'''
+
+STRIPPED = '''import os  # a comment stays
+
+
+class Empty:
+    pass
+
+
+class Point:
+
+    def norm(self) -> float:
+        return (self.x**2 + self.y**2) ** 0.5
+
+    async def wait(self):
+        def inner():
+            return "not a docstring"
+        "a later string is not a docstring"
+        return inner()
+
+
+def one_line(): "shares its line, so it stays"
+def with_comment():
+    """Then a comment."""  # on the same line: stays
+    return 1
+'''
+
+
+def test_without_docstrings_cuts_their_lines_and_keeps_the_rest():
+    assert corpus.without_docstrings(DOCUMENTED) == STRIPPED
+    assert corpus.without_docstrings(STRIPPED) == STRIPPED
+    for untouched in ['def f(:\n    """x"""\n', '"""doc"""\r\nx = 1\r\n', ""]:
+        assert corpus.without_docstrings(untouched) == untouched
+
+
+def docstrings_cut_from_the_tree(source: str) -> str:
+    """The oracle: drop, in the syntax tree, each docstring that has its lines to itself.
+
+    "To itself" is read off the token stream: only indentation before the string token on
+    its line and a NEWLINE right after it.
+    """
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    alone = set()
+    for i, tok in enumerate(tokens):
+        if tok.type != tokenize.STRING or tokens[i + 1].type != tokenize.NEWLINE:
+            continue
+        before = [t for t in tokens[:i] if t.end[0] == tok.start[0]]
+        if all(t.type in (tokenize.INDENT, tokenize.DEDENT, tokenize.NL) for t in before):
+            alone.add(tok.start)
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        if isinstance(node, kinds) and ast.get_docstring(node, clean=False) is not None:
+            doc = node.body[0]
+            if (doc.lineno, doc.col_offset) in alone:
+                node.body = node.body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def test_without_docstrings_matches_the_tree_with_them_cut_on_standard_library_files():
+    documents = corpus.read_stdlib()[::40]
+    changed = 0
+    for document in documents:
+        try:
+            expected = docstrings_cut_from_the_tree(document.text)
+        except (SyntaxError, tokenize.TokenError, ValueError):
+            assert corpus.without_docstrings(document.text) == document.text
+            continue
+        stripped = corpus.without_docstrings(document.text)
+        changed += stripped != document.text
+        if "\r" not in document.text:
+            assert ast.dump(ast.parse(stripped)) == expected, document.path
+    assert changed > len(documents) // 2
 
 
 def test_a_cached_corpus_built_otherwise_is_refused(tmp_path):
