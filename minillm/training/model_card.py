@@ -242,6 +242,26 @@ def measure(model_dir: pathlib.Path, target_dir: pathlib.Path | None = None) -> 
     return result
 
 
+def _docstring_lines(corpus: dict) -> list[str]:
+    """What a corpus built with `--no-docstrings` left out, and why."""
+    if not corpus.get("no_docstrings"):
+        return []
+    removed = corpus["num_docstring_bytes_removed"]
+    return [
+        "The training text has no docstrings: `minillm.training.corpus.without_docstrings` "
+        "cuts out the docstring of every module, class and function, "
+        f"{removed / 1e6:.1f} MB of the split's {(corpus['num_train_bytes'] + removed) / 1e6:.1f} "
+        "MB (the sizes above are after the cut), and puts `pass` where a body held nothing "
+        "else. Comments stay. A model this small does not learn English prose in a CPU-hour, "
+        "and under greedy decoding it loops inside a docstring until the token limit "
+        '("Return a list of the list of the list of ..."); without them, a function header is '
+        "followed by code. The tokenizer is trained on the split with its docstrings, and the "
+        "evaluations below keep theirs, so their perplexities include text of a kind the "
+        "model was not trained on.",
+        "",
+    ]
+
+
 def _site_packages_lines(corpus: dict) -> list[str]:
     """The training data's second part, for a corpus built with `--site-packages`."""
     if not corpus.get("site_packages"):
@@ -273,7 +293,7 @@ def stage_record(summary: dict) -> dict:
     }
 
 
-def _fit_commands(summary: dict, role: str, site: str) -> list[str]:
+def _fit_commands(summary: dict, role: str, flags: str) -> list[str]:
     """The `fit` command of each training stage; a later stage continues the one before."""
     stages = summary.get("stages") or [stage_record(summary)]
     commands = []
@@ -290,7 +310,7 @@ def _fit_commands(summary: dict, role: str, site: str) -> list[str]:
             )
         out = f" --out-dir stage{number}" if number < len(stages) else ""
         commands.append(
-            f"python -m minillm.training.train fit --model {role}{budget}{steps}{autocast}{site}"
+            f"python -m minillm.training.train fit --model {role}{budget}{steps}{autocast}{flags}"
             f" --threads {cfg['threads']} --seed {cfg['seed']}{extra}{out}"
         )
     return commands
@@ -329,6 +349,7 @@ def render_card(summary: dict, evaluation: dict) -> str:
     spec, cfg, corpus = summary["spec"], summary["train_config"], summary["corpus"]
     role = "draft" if "draft" in summary["name"] else "target"
     site = " --site-packages" if corpus.get("site_packages") else ""
+    flags = site + (" --no-docstrings" if corpus.get("no_docstrings") else "")
     schedule = _schedule_rows(summary)
     lines = [
         "---",
@@ -343,6 +364,7 @@ def render_card(summary: dict, evaluation: dict) -> str:
         "completes Python code, trained from scratch with minillm's own model code on the "
         "CPython standard library"
         + (" and the packages installed beside minillm" if site else "")
+        + (", with the docstrings cut out" if corpus.get("no_docstrings") else "")
         + f". It is minillm's bundled {role} model: small enough to ship "
         "inside the package and to run on a laptop CPU, big enough to write plausible Python. "
         "It is a teaching model, not a coding assistant.",
@@ -374,6 +396,7 @@ def render_card(summary: dict, evaluation: dict) -> str:
         "tokens (each file is `<|bos|>` + text + `<|eos|>`). The tokenizer is trained on this "
         "split alone.",
         "",
+        *_docstring_lines(corpus),
         *_site_packages_lines(corpus),
         "The standard library is distributed under the Python Software Foundation License "
         "Version 2 (Copyright (c) 2001 Python Software Foundation; All Rights Reserved). Much "
@@ -492,7 +515,7 @@ def render_card(summary: dict, evaluation: dict) -> str:
         "## Reproduce",
         "",
         "```",
-        *_fit_commands(summary, role, site),
+        *_fit_commands(summary, role, flags),
         "python -m minillm.training.train card",
         "```",
         "",

@@ -239,3 +239,4 @@ def test_card_is_rendered_from_the_summary(name):
         assert "--site-packages" in card
         largest = next(iter(corpus["site_packages_files_per_package"]))
         assert largest in card
+    assert ("--no-docstrings" in card) == bool(corpus.get("no_docstrings"))

@@ -198,3 +198,24 @@ def test_a_card_of_two_stages_names_both_and_reproduces_them_in_order():
     assert "--time-budget-s 3000" in fits[1] and "--seed 1" in fits[1]
     assert "--init-from stage1/minillm-stdlib-target --peak-lr 0.001" in fits[1]
     assert "--out-dir" not in fits[1]
+
+
+def test_a_card_of_a_corpus_without_docstrings_says_so_and_reproduces_it():
+    from minillm.training.model_card import render_card
+
+    summary_path = BUNDLED_MODELS_DIR / "minillm-stdlib-target" / "training_summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["corpus"] = dict(summary["corpus"], no_docstrings=False)
+    plain = render_card(summary, summary["evaluation"])
+    summary["corpus"] = dict(
+        summary["corpus"],
+        no_docstrings=True,
+        num_train_bytes=28_600_000,
+        num_docstring_bytes_removed=2_400_000,
+    )
+    card = render_card(summary, summary["evaluation"])
+    assert "docstrings" not in plain
+    assert "with the docstrings cut out" in card
+    assert "2.4 MB of the split's 31.0 MB" in card and "28.6 MB" in card
+    fits = [line for line in card.splitlines() if line.startswith("python -m") and " fit " in line]
+    assert len(fits) == 1 and "--no-docstrings" in fits[0]
