@@ -345,6 +345,16 @@ def _schedule_rows(summary: dict) -> list[str]:
     ]
 
 
+def _first_body_line(body: str, width: int = 60) -> str:
+    """A body's first non-blank line as a table cell: code, cut to `width` characters."""
+    line = next((line.strip() for line in body.split("\n") if line.strip()), "")
+    if not line:
+        return "(empty)"
+    text = (line[:width] + " ...") if len(line) > width else line
+    text = text.replace("|", "\\|")
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
 def render_card(summary: dict, evaluation: dict) -> str:
     spec, cfg, corpus = summary["spec"], summary["train_config"], summary["corpus"]
     role = "draft" if "draft" in summary["name"] else "target"
@@ -458,14 +468,15 @@ def render_card(summary: dict, evaluation: dict) -> str:
             "`<|eos|>`; when the token limit stopped it, the last, possibly cut, line is "
             "dropped. A method's prompt includes its class line. Header and body parse with "
             f"`ast.parse` for **{evaluation['headers_parsed']} of {len(evaluation['headers'])}** "
-            "headers:",
+            "headers. Parsing is all this checks: a body can parse and still not do what the "
+            "name says.",
             "",
-            "| header | body ends at | parses |",
-            "| --- | --- | --- |",
+            "| header | first line of the body | body ends at | parses |",
+            "| --- | --- | --- | --- |",
         ]
         lines += [
-            f"| `{h['header'].split(chr(10))[-1].strip()}` | {h['stop']} | "
-            f"{'yes' if h['parses'] else 'no'} |"
+            f"| `{h['header'].split(chr(10))[-1].strip()}` | {_first_body_line(h['body'])} | "
+            f"{h['stop']} | {'yes' if h['parses'] else 'no'} |"
             for h in evaluation["headers"]
         ]
         lines.append("")

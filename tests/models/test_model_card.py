@@ -219,3 +219,24 @@ def test_a_card_of_a_corpus_without_docstrings_says_so_and_reproduces_it():
     assert "2.4 MB of the split's 31.0 MB" in card and "28.6 MB" in card
     fits = [line for line in card.splitlines() if line.startswith("python -m") and " fit " in line]
     assert len(fits) == 1 and "--no-docstrings" in fits[0]
+
+
+def test_the_header_table_shows_each_bodys_first_line():
+    from minillm.training.model_card import render_card
+
+    summary_path = BUNDLED_MODELS_DIR / "minillm-stdlib-target" / "training_summary.json"
+    summary = json.loads(summary_path.read_text())
+    evaluation = dict(summary["evaluation"])
+    evaluation["headers"] = [
+        {"header": "def merge(a, b):", "body": "\n\n    return a | b\n", "stop": "dedent",
+         "parses": True},
+        {"header": "class C:\n    def f(self):", "body": "", "stop": "limit", "parses": False},
+        {"header": "def g():", "body": "\n    return '" + "x" * 80, "stop": "limit",
+         "parses": False},
+    ]  # fmt: skip
+    rows = [line for line in render_card(summary, evaluation).splitlines() if "| `def " in line]
+    assert rows == [
+        "| `def merge(a, b):` | `return a \\| b` | dedent | yes |",
+        "| `def f(self):` | (empty) | limit | no |",
+        f"| `def g():` | `return '{'x' * 52} ...` | limit | no |",
+    ]
