@@ -24,8 +24,8 @@ from minillm.model.tokenizer import Tokenizer
 
 # the start of a Python function; the chapter's first page shows it as it builds the request
 DEMO_PROMPT = "import os\n\n\ndef read_file(path):"
-# the three quotes that close a docstring
-DEMO_STOP = '"""\n'
+# a blank line: in the code the bundled model writes, the end of a function
+DEMO_STOP = "\n\n"
 DEMO_MAX_TOKENS = 64
 
 
@@ -59,7 +59,7 @@ def load_bundled_model() -> BundledModel:
 
 
 def demo_params() -> SamplingParams:
-    """The demo request's options: greedy, at most 64 new tokens, stop at a docstring's end."""
+    """The demo request's options: greedy, at most 64 new tokens, stop at a blank line."""
     return SamplingParams(temperature=0.0, max_tokens=DEMO_MAX_TOKENS, stop=[DEMO_STOP])
 
 

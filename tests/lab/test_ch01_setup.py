@@ -36,7 +36,7 @@ def test_the_demo_request_is_the_one_the_first_page_builds():
     assert ast.literal_eval(assignment(source, "prompt")) == DEMO_PROMPT
     shown_params = eval(assignment(source, "greedy"), {"SamplingParams": SamplingParams})
     assert shown_params == demo_params()
-    assert demo_params().temperature == 0.0 and list(demo_params().stop) == ['"""\n']
+    assert demo_params().temperature == 0.0 and list(demo_params().stop) == ["\n\n"]
 
 
 def test_exercise_points_are_those_of_the_graded_cells():
@@ -96,7 +96,7 @@ def test_the_bundled_model_is_warmed_up_and_idle(bundled):
     assert not bundled.llm.engine.has_unfinished_requests()
 
 
-def test_the_demo_request_stops_at_the_end_of_its_docstring(bundled):
+def test_the_demo_request_stops_at_the_blank_line_after_its_function(bundled):
     out = bundled.llm.generate(DEMO_PROMPT, demo_params(), use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and out.stop_reason == '"""\n'
+    assert out.finish_reason == "stop" and out.stop_reason == "\n\n"
     assert 0 < len(out.token_ids) < demo_params().max_tokens
