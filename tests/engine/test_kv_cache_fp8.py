@@ -277,10 +277,14 @@ def test_calibrated_scales_come_from_the_first_forward(model):
     with torch.inference_mode():
         oracle_forward(model, prompt, fp8=False, record=record)
     layers = engine.model_runner.model.model.layers
-    for layer, (k, v) in zip(layers, record, strict=True):
+    for number, (layer, (k, v)) in enumerate(zip(layers, record, strict=True)):
         backend = layer.self_attn.backend
-        assert backend.k_scale == pytest.approx(float(k.abs().max()) / K_SCALE_CONSTANT, rel=1e-2)
-        assert backend.v_scale == pytest.approx(float(v.abs().max()) / V_SCALE_CONSTANT, rel=1e-2)
+        # the first layer's keys and values are the same numbers in both; deeper down, the
+        # engine's and the oracle's bfloat16 sums round in other orders, and a largest value
+        # can move by a few bfloat16 steps (0.4% each)
+        rel = 1e-3 if number == 0 else 3e-2
+        assert backend.k_scale == pytest.approx(float(k.abs().max()) / K_SCALE_CONSTANT, rel=rel)
+        assert backend.v_scale == pytest.approx(float(v.abs().max()) / V_SCALE_CONSTANT, rel=rel)
         assert not backend.calculate_kv_scales  # fixed from then on
 
 

@@ -15,7 +15,8 @@ def eval_subcommand(monkeypatch):
 
 
 def run(capsys, *argv):
-    status = cli.main(["eval", "ppl", "--num-windows", "2", *argv])
+    # 8 windows: on two, int4's small loss can fall inside the windows' noise
+    status = cli.main(["eval", "ppl", "--num-windows", "8", *argv])
     out, err = capsys.readouterr()
     return status, out, err
 
@@ -26,7 +27,7 @@ def test_float_and_int4_perplexity(capsys):
     float_ppl, float_mib = map(
         float, re.search(r"perplexity ([\d.]+).* ([\d.]+) MiB", out).groups()
     )
-    assert "minillm-stdlib-target (float32)" in out and "2 windows of 257 tokens" in out
+    assert "minillm-stdlib-target (float32)" in out and "8 windows of 257 tokens" in out
     status, out, err = run(capsys, "--quantization", "int4")
     assert status == 0 and "(int4 rtn)" in out and "quantized in" in err
     int4_ppl, int4_mib = map(float, re.search(r"perplexity ([\d.]+).* ([\d.]+) MiB", out).groups())
