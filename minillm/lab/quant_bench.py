@@ -249,9 +249,11 @@ def print_table(rec: dict) -> None:
     goal = rec.get("goal")
     if goal is not None:
         verdict = "met" if goal["met"] else "NOT met"
+        # on a few windows RTN can lose nothing (or gain), and then there is no ratio
+        ratio = "no ratio" if goal["ratio"] is None else f"ratio {goal['ratio']:.2f}"
         print(
-            f"\ngoal: {goal['statement']}: {verdict} (GPTQ +{goal['gptq_perplexity_increase']:.3f}"
-            f" vs RTN +{goal['rtn_perplexity_increase']:.3f}, ratio {goal['ratio']:.2f})"
+            f"\ngoal: {goal['statement']}: {verdict} (GPTQ {goal['gptq_perplexity_increase']:+.3f}"
+            f" vs RTN {goal['rtn_perplexity_increase']:+.3f}, {ratio})"
         )
         if "ratio_without_act_order" in goal:
             print(f"      without act-order the ratio is {goal['ratio_without_act_order']:.2f}")

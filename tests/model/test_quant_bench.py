@@ -39,3 +39,18 @@ def test_a_small_run_records_every_variant_and_the_goal(tmp_path, capsys):
 def test_greedy_agreement_counts_identical_outputs_and_common_prefixes():
     got = quant_bench.greedy_agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]])
     assert got == {"identical": 1, "prompts": 2, "common_prefix": (2 / 4 + 1) / 2}
+
+
+def test_the_goal_prints_without_a_ratio_when_rtn_loses_nothing(capsys):
+    goal = {
+        "statement": "W4A16 GPTQ loses at most half the perplexity that W4A16 RTN loses",
+        "rtn_perplexity_increase": -0.25,
+        "gptq_perplexity_increase": 0.125,
+        "ratio": None,
+        "met": False,
+    }
+    rec = {"model": "m", "machine": "cpu", "threads": 1, "heldout": {"num_windows": 1},
+           "decode": {"repeats": 2}, "results": {}, "goal": goal}  # fmt: skip
+    quant_bench.print_table(rec)
+    out = capsys.readouterr().out
+    assert "NOT met (GPTQ +0.125 vs RTN -0.250, no ratio)" in out
